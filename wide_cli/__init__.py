@@ -1,0 +1,1 @@
+"""wide: token-level dynamic width pruning."""

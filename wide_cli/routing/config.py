@@ -1,0 +1,140 @@
+"""Routing settings: method, group sizes, router rank, sparsity targets (DESIGN.md §1)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass
+
+from wide_cli.errors import ConfigError
+from wide_cli.models.arch import ModelShape
+
+METHODS = ("wide", "dynamic-depth", "static-width", "dense")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How a model is routed.
+
+    Attributes:
+        method: ``wide`` (token-level head/channel groups), ``dynamic-depth`` (token-level
+            skip of a whole block: one group spanning the full width), ``static-width``
+            (input-independent group removal) or ``dense`` (no routing).
+        attn_group_size: query heads per attention group; must divide H.
+        ffn_group_size: intermediate channels per FFN group; must divide F.
+        router_rank: bottleneck width r of each router MLP.
+        sparsity: shared target fraction of skipped (token, group) decisions, in [0, 1).
+        sparsity_attention / sparsity_ffn: per-module targets (set both or neither);
+            they replace ``sparsity`` in the loss.
+        sparsity_weight: lambda in ``loss = CE + lambda * |s_target - s_hat|``.
+        route_attention / route_ffn: which modules get routers.
+        tau_start / tau_end: Gumbel-softmax temperature, annealed linearly over optimizer steps.
+    """
+
+    method: str = "wide"
+    attn_group_size: int = 3
+    ffn_group_size: int = 128
+    router_rank: int = 32
+    sparsity: float = 0.5
+    sparsity_attention: float | None = None
+    sparsity_ffn: float | None = None
+    sparsity_weight: float = 20.0
+    route_attention: bool = True
+    route_ffn: bool = True
+    tau_start: float = 5.0
+    tau_end: float = 0.5
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ConfigError(f"unknown method {self.method!r}", f"choose one of {', '.join(METHODS)}")
+        for name in ("sparsity", "sparsity_attention", "sparsity_ffn"):
+            v = getattr(self, name)
+            if v is not None and not (0.0 <= float(v) < 1.0):
+                raise ConfigError(f"{name.replace('_', '-')} {v} is outside [0, 1)", "use e.g. 0.5 for 50 % sparsity")
+        if (self.sparsity_attention is None) != (self.sparsity_ffn is None):
+            raise ConfigError(
+                "sparsity-attention and sparsity-ffn must be set together",
+                "set both per-module targets, or neither to use --sparsity",
+            )
+        if self.router_rank < 1:
+            raise ConfigError(f"router-rank {self.router_rank} must be >= 1")
+        if self.attn_group_size < 1 or self.ffn_group_size < 1:
+            raise ConfigError(
+                f"group sizes must be >= 1 (got attn {self.attn_group_size}, ffn {self.ffn_group_size})"
+            )
+        if not (self.tau_start > 0 and self.tau_end > 0):
+            raise ConfigError(f"temperatures must be > 0 (got {self.tau_start} -> {self.tau_end})")
+        if self.sparsity_weight < 0:
+            raise ConfigError(f"sparsity-weight {self.sparsity_weight} must be >= 0")
+        if not (self.route_attention or self.route_ffn) and self.method != "dense":
+            raise ConfigError("at least one of attention / ffn must be routed")
+
+    @property
+    def per_module_targets(self) -> bool:
+        """True when per-module targets replace the shared one."""
+        return self.sparsity_attention is not None
+
+    def target_for(self, module: str) -> float:
+        """Sparsity target of ``module`` ('attention' or 'ffn')."""
+        if self.per_module_targets:
+            return float(self.sparsity_attention if module == "attention" else self.sparsity_ffn)
+        return float(self.sparsity)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Resolved group counts for one model.
+
+    Attributes:
+        attn_group_size: query heads per group (H for dynamic-depth).
+        ffn_group_size: channels per group (F for dynamic-depth).
+        attn_groups: G_a = H / attn_group_size.
+        ffn_groups: G_f = F / ffn_group_size.
+        kv_aligned: True when every attention group covers whole KV-head groups, or lies inside
+            one (then decode can skip a KV head's cache reads when all its query heads skip).
+    """
+
+    attn_group_size: int
+    ffn_group_size: int
+    attn_groups: int
+    ffn_groups: int
+    kv_aligned: bool
+
+
+def resolve_groups(cfg: RoutingConfig, shape: ModelShape, *, warn: bool = True) -> GroupLayout:
+    """Check group sizes against the model and return the layout.
+
+    Raises:
+        ConfigError: a group size that does not divide its axis, naming both numbers, e.g.
+            "attn-group-size 2 does not divide 9 query heads".
+    """
+    if cfg.method == "dynamic-depth":
+        a, f = shape.num_heads, shape.intermediate_size
+    else:
+        a, f = cfg.attn_group_size, cfg.ffn_group_size
+    if shape.num_heads % a:
+        divs = [k for k in range(1, shape.num_heads + 1) if shape.num_heads % k == 0]
+        raise ConfigError(
+            f"attn-group-size {a} does not divide {shape.num_heads} query heads "
+            f"({shape.num_kv_heads} KV heads)",
+            f"use one of {divs}",
+        )
+    if shape.intermediate_size % f:
+        raise ConfigError(
+            f"ffn-group-size {f} does not divide intermediate size {shape.intermediate_size}",
+            "use a divisor such as "
+            + ", ".join(str(k) for k in (32, 64, 128, 256) if shape.intermediate_size % k == 0)
+            or "use a divisor of the intermediate size",
+        )
+    hpk = shape.heads_per_kv
+    aligned = (a % hpk == 0) or (hpk % a == 0)
+    if warn and not aligned and cfg.method == "wide":
+        warnings.warn(
+            f"attn-group-size {a} straddles KV-head groups ({shape.num_heads} query heads share "
+            f"{shape.num_kv_heads} KV heads, {hpk} each): routing is correct, but decode cannot skip "
+            f"KV-cache reads; a multiple or divisor of {hpk} is faster",
+            stacklevel=2,
+        )
+    return GroupLayout(a, f, shape.num_heads // a, shape.intermediate_size // f, aligned)

@@ -1,0 +1,66 @@
+"""Per-layer routers (DESIGN.md §1).
+
+A ``Router`` is a bottleneck MLP ``Linear(D, r) -> Linear(r, 2G)`` with no activation in
+between; its output, reshaped to ``[..., G, 2]``, holds per group the execute (0) and skip (1)
+logits. A ``StaticRouter`` holds an input-independent keep mask (the static-width baseline).
+Routers always compute in fp32, whatever the backbone dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Router(nn.Module):
+    """Token-level group router.
+
+    Args:
+        hidden_size: D, width of the residual stream fed to the router.
+        rank: bottleneck width r.
+        num_groups: G, groups routed by this router.
+
+    Parameters (names match the export format ``router_{attention,ffn}.{compressor,router}``):
+        compressor: Linear(D, r), kaiming-uniform (linear gain) weight, zero bias.
+        router: Linear(r, 2G), kaiming-uniform (linear gain) weight, zero bias.
+    """
+
+    def __init__(self, hidden_size: int, rank: int, num_groups: int):
+        super().__init__()
+        self.num_groups = num_groups
+        self.compressor = nn.Linear(hidden_size, rank, dtype=torch.float32)
+        self.router = nn.Linear(rank, 2 * num_groups, dtype=torch.float32)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for lin in (self.compressor, self.router):
+            nn.init.kaiming_uniform_(lin.weight, nonlinearity="linear")
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [B, T, D]`` (any float dtype) -> logits ``[B, T, G, 2]`` fp32."""
+        x = hidden.to(self.compressor.weight.dtype)
+        logits = self.router(self.compressor(x))
+        return logits.view(*hidden.shape[:-1], self.num_groups, 2)
+
+
+class StaticRouter(nn.Module):
+    """Input-independent routing: the same groups execute for every token.
+
+    Buffer ``keep``: ``[G]`` bool, True = execute. ``forward`` returns logits
+    ``[B, T, G, 2]`` fp32 whose argmax equals ``keep`` (+1/-1 margins), so the rest of the stack
+    treats it like a learned router.
+    """
+
+    def __init__(self, num_groups: int, keep: torch.Tensor | None = None):
+        super().__init__()
+        self.num_groups = num_groups
+        k = torch.ones(num_groups, dtype=torch.bool) if keep is None else keep.to(torch.bool).clone()
+        if k.shape != (num_groups,):
+            raise ValueError(f"keep mask shape {tuple(k.shape)} != ({num_groups},)")
+        self.register_buffer("keep", k)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        sign = self.keep.to(torch.float32) * 2.0 - 1.0  # +1 execute, -1 skip
+        logits = torch.stack([sign, -sign], dim=-1)  # [G, 2]
+        return logits.expand(*hidden.shape[:-1], self.num_groups, 2)
