@@ -56,6 +56,8 @@ def tiny_config(kind: str = "llama", **overrides):
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
+        # Wider than HF's 0.02 so that random logits are far from uniform (loader smoke checks).
+        initializer_range=0.1,
     )
     base.update(overrides)
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[kind]

@@ -1,0 +1,58 @@
+"""Atomic writes: a file or a directory appears complete or not at all (temp path + rename)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same directory and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    """Atomically write ``obj`` as pretty JSON (sorted keys are not forced; order is kept)."""
+    atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, default=str) + "\n").encode())
+
+
+@contextlib.contextmanager
+def atomic_directory(final: Path):
+    """Build a directory at a temp path beside ``final``; on success swap it into place.
+
+    Yields the temp ``Path`` to write into. On an exception the temp directory is removed and
+    any previous ``final`` is left untouched. An existing ``final`` is replaced only after the new
+    one is complete (it is moved aside, the new one renamed in, then the old one deleted).
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

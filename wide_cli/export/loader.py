@@ -1,0 +1,158 @@
+"""Load a wide export back into a routed Hugging Face model, strictly."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from wide_cli.errors import CheckpointError
+from wide_cli.export.manifest import verify_manifest
+from wide_cli.export.writer import ROUTERS_FILE, WIDE_CONFIG
+from wide_cli.routing.config import RoutingConfig
+
+
+@dataclass
+class PrunedModel:
+    """A loaded export.
+
+    Attributes:
+        model: routed ``*ForCausalLM`` in eval mode, routing in deterministic ``argmax`` mode.
+        tokenizer: the export's tokenizer.
+        wide_config: the parsed ``wide_config.json``.
+        path: the export directory.
+    """
+
+    model: object
+    tokenizer: object
+    wide_config: dict
+    path: Path
+
+
+def is_export(path) -> bool:
+    """True when ``path`` is a directory holding ``wide_config.json``."""
+    p = Path(path)
+    return p.is_dir() and (p / WIDE_CONFIG).is_file()
+
+
+def read_wide_config(path: Path) -> dict:
+    p = Path(path) / WIDE_CONFIG
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{p} is missing: not a wide export", "export one with `wide export`") from None
+    except ValueError as e:
+        raise CheckpointError(f"{p} is not valid JSON ({e})", "re-run `wide export`") from None
+
+
+def routing_config_from(wide_config: dict) -> RoutingConfig:
+    fields = RoutingConfig.__dataclass_fields__
+    return RoutingConfig(**{k: v for k, v in wide_config["routing"].items() if k in fields})
+
+
+def next_token_entropy(model, tokenizer, prompt: str = "The quick brown fox jumps over the lazy dog.") -> float:
+    """Entropy (nats) of the next-token distribution after ``prompt``; ln(vocab) means uniform."""
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(next(model.parameters()).device)
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1].float()
+    p = torch.softmax(logits, -1)
+    return float(-(p * torch.log(p.clamp_min(1e-30))).sum())
+
+
+def load_pruned(
+    path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+    verify: bool = True,
+    allow_extra: bool = False,
+    smoke_check: bool = True,
+) -> PrunedModel:
+    """Load an export written by ``export_model``.
+
+    Args:
+        path: export directory.
+        dtype: backbone dtype (routers stay fp32).
+        device: torch device.
+        verify: check ``manifest.json`` (sha256 + size of every file) first.
+        allow_extra: tolerate unexpected tensors in the weights (warn instead of failing).
+        smoke_check: after loading, require next-token entropy on a fixed prompt to be below
+            ln(vocab) - 0.01 (uniform logits mean weights were silently lost; public case B30).
+
+    Raises:
+        CheckpointError: missing/corrupt files, a manifest from another export, missing or
+            unexpected tensors (listed), router shape mismatch, uniform logits.
+    """
+    import warnings
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from wide_cli.routing.model import attach_routers, load_router_state_dict
+
+    path = Path(path)
+    if verify:
+        manifest = verify_manifest(path)
+    wcfg = read_wide_config(path)
+    if verify and manifest.get("export_id") != wcfg.get("export_id"):
+        raise CheckpointError(
+            f"{path / 'manifest.json'} belongs to another export "
+            f"({manifest.get('export_id')} != {wcfg.get('export_id')})",
+            "re-run `wide export`",
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot load the tokenizer of {path}: {e}", "re-run `wide export`") from None
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, output_loading_info=True, local_files_only=True
+        )
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"cannot load the weights of {path}: {e}", "re-run `wide export`") from None
+    missing = sorted(info.get("missing_keys") or [])
+    unexpected = sorted(info.get("unexpected_keys") or [])
+    mismatched = sorted(str(k) for k in (info.get("mismatched_keys") or []))
+    if missing or mismatched or (unexpected and not allow_extra):
+        raise CheckpointError(
+            f"weights of {path} do not match its config.json: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, mismatched {mismatched[:5]}",
+            "the export is corrupt or was edited; re-run `wide export` (or pass allow_extra for extra tensors)",
+        )
+    if unexpected:
+        warnings.warn(f"ignoring unexpected tensors in {path}: {unexpected[:5]}", stacklevel=2)
+    model = model.to(device).eval()
+    cfg = routing_config_from(wcfg)
+    static_keep = None
+    routers = {}
+    rpath = path / ROUTERS_FILE
+    if cfg.method != "dense":
+        if not rpath.is_file():
+            raise CheckpointError(f"{rpath} is missing", "re-run `wide export`")
+        from safetensors.torch import load_file
+
+        try:
+            routers = load_file(str(rpath))
+        except Exception as e:  # safetensors raises its own error types
+            raise CheckpointError(f"{rpath} is unreadable ({e})", "re-run `wide export`") from None
+        if cfg.method == "static-width":
+            static_keep = {}
+            for name, t in routers.items():
+                _, _, i, mod, *_ = name.split(".")
+                static_keep[(int(i), mod.removeprefix("router_"))] = t
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        attach_routers(model, cfg, static_keep=static_keep)
+    if routers:
+        load_router_state_dict(model, routers)
+    model.wide_routing.set_mode("dense" if cfg.method == "dense" else "argmax")
+    if smoke_check:
+        h = next_token_entropy(model, tokenizer)
+        if h >= math.log(model.config.vocab_size) - 0.01:
+            raise CheckpointError(
+                f"{path}: next-token distribution is uniform (entropy {h:.4f} nats); weights were lost",
+                "re-run `wide export`",
+            )
+    return PrunedModel(model, tokenizer, wcfg, path)

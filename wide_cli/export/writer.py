@@ -1,0 +1,100 @@
+"""Write a deployable export directory (DESIGN.md §2).
+
+Layout: ``config.json`` and tokenizer files (the base model's), ``model.safetensors`` (backbone,
+Hugging Face names, LoRA merged; sharded with an index when large), ``routers.safetensors``,
+``wide_config.json``, ``manifest.json``. Written into a temp directory and renamed into place.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from wide_cli import __version__
+from wide_cli.errors import CheckpointError
+from wide_cli.export.atomic import atomic_directory, atomic_write_json
+from wide_cli.export.manifest import write_manifest
+from wide_cli.routing.model import router_state_dict
+
+FORMAT_VERSION = 1
+WIDE_CONFIG = "wide_config.json"
+ROUTERS_FILE = "routers.safetensors"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What ``export_model`` wrote: ``path`` (the final directory), ``export_id``, ``files``
+    (relative paths) and ``bytes`` (total size)."""
+
+    path: Path
+    export_id: str
+    files: list[str]
+    bytes: int
+
+
+def check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
+    """Raise CheckpointError naming the first tensor with NaN/Inf (public case B11)."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise CheckpointError(
+                f"{what} tensor {name} contains NaN/Inf; refusing to export",
+                "the run diverged: resume from an earlier checkpoint or lower --lr",
+            )
+
+
+def backbone_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's state dict without router tensors (HF names, as stored)."""
+    return {k: v for k, v in model.state_dict().items() if ".router_attention." not in k and ".router_ffn." not in k}
+
+
+def export_model(
+    model,
+    tokenizer,
+    out_dir: Path,
+    *,
+    wide_config: dict,
+    max_shard_size: str = "2GB",
+) -> ExportResult:
+    """Export a routed model (LoRA already merged) to ``out_dir``, atomically.
+
+    Args:
+        model: a routed ``*ForCausalLM`` (``model.wide_routing`` set). Its weights are saved in
+            their current dtype.
+        tokenizer: saved beside it, unchanged.
+        out_dir: final directory; an existing export there is replaced only once the new one is
+            complete.
+        wide_config: method settings, measured sparsity, source model, metrics... stored as
+            ``wide_config.json`` (``format``, ``format_version``, ``wide_version``, ``export_id``
+            and ``created`` are added here).
+
+    Raises:
+        CheckpointError: a router or backbone tensor with NaN/Inf.
+    """
+    routers = router_state_dict(model)
+    check_finite(routers, "router")
+    backbone = backbone_state_dict(model)
+    check_finite(backbone, "backbone")
+    export_id = uuid.uuid4().hex
+    with atomic_directory(Path(out_dir)) as tmp:
+        model.save_pretrained(tmp, state_dict=backbone, max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(tmp)
+        if routers:
+            save_file(routers, str(tmp / ROUTERS_FILE), metadata={"format": "pt", "wide_export_id": export_id})
+        cfg = {
+            "format": "wide",
+            "format_version": FORMAT_VERSION,
+            "wide_version": __version__,
+            "export_id": export_id,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            **wide_config,
+        }
+        atomic_write_json(tmp / WIDE_CONFIG, cfg)
+        manifest = write_manifest(tmp, export_id=export_id)
+    files = sorted(manifest["files"]) + ["manifest.json"]
+    total = sum(v["size"] for v in manifest["files"].values())
+    return ExportResult(Path(out_dir), export_id, files, total)
