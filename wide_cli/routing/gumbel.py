@@ -22,7 +22,8 @@ def hard_gumbel_execute(logits: torch.Tensor, tau: float, generator: torch.Gener
         gradient of the soft sample ``softmax((logits + g) / tau)[..., 0]``.
     """
     u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
-    gumbels = -torch.log(-torch.log(u.clamp_min(1e-20)).clamp_min(1e-20))
+    exp_noise = (-torch.log(u.clamp_min(1e-20))).clamp_min(1e-20)  # Exp(1) samples
+    gumbels = -torch.log(exp_noise)
     soft = F.softmax((logits + gumbels) / tau, dim=-1)
     index = soft.argmax(dim=-1, keepdim=True)
     hard = torch.zeros_like(soft).scatter_(-1, index, 1.0)

@@ -1,0 +1,64 @@
+"""Optimisation settings for router calibration (stage 1) and LoRA recovery (stage 2)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from wide_cli.errors import ConfigError
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Stage-1 settings (DESIGN.md §1; paper: AdamW lr 2e-3, wd 0.01, cosine, 10 % warm-up,
+    grad-clip 1.0).
+
+    Attributes:
+        steps: optimizer steps.
+        batch_size: sequences per micro-batch.
+        grad_accum: micro-batches per optimizer step (sequences/step = batch_size * grad_accum).
+        seq_len: tokens per sequence.
+        lr, weight_decay, warmup_frac, grad_clip: AdamW with cosine schedule.
+        seed: data order, Gumbel noise and router init.
+        checkpoint_every: optimizer steps between resumable checkpoints (0 = only at the end).
+        dtype: backbone compute dtype (``fp32`` default on CPU; ``bf16`` autocast on GPU).
+    """
+
+    steps: int = 120
+    batch_size: int = 4
+    grad_accum: int = 1
+    seq_len: int = 256
+    lr: float = 2e-3
+    weight_decay: float = 0.01
+    warmup_frac: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 50
+    dtype: str = "fp32"
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "grad_accum", "seq_len"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
+        if self.seq_len < 2:
+            raise ConfigError(f"seq-len {self.seq_len} must be >= 2")
+        if not self.lr > 0:
+            raise ConfigError(f"lr {self.lr} must be > 0")
+        if not 0 <= self.warmup_frac < 1:
+            raise ConfigError(f"warmup fraction {self.warmup_frac} must be in [0, 1)")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint-every {self.checkpoint_every} must be >= 0")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} unknown", f"choose one of {', '.join(DTYPES)}")
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.batch_size * self.grad_accum
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.sequences_per_step * self.seq_len
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,338 @@
+"""The training loop shared by stage 1 (routers) and stage 2 (LoRA + routers).
+
+Loss (DESIGN.md §1): ``LM cross-entropy + lambda * |s_target - s_hat|`` with hard Gumbel-softmax
+decisions (STE) and a temperature annealed linearly over optimizer steps. Checkpoints are
+atomic directories; ``resume=True`` continues bit-for-bit where the last checkpoint stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from wide_cli.errors import CheckpointError, TrainingDivergedError
+from wide_cli.export.atomic import atomic_directory, atomic_write_json
+from wide_cli.routing.gumbel import sparsity_loss, temperature_at
+from wide_cli.train.config import TrainConfig
+from wide_cli.train.data_order import batch_indices
+
+CHECKPOINT = "checkpoint"
+RESULT = "result.json"
+
+
+@dataclass
+class TrainResult:
+    """Outcome of a training stage.
+
+    Attributes:
+        steps: optimizer steps completed in total (including before a resume).
+        tokens: training tokens processed (all ranks).
+        seconds: wall time spent training (all sessions summed), s.
+        final: last step's metrics (loss, lm_loss, sparsity per module, tau).
+        history: per-step metrics (every ``log_every`` steps).
+        resumed_from: the step a resume started at, or None.
+    """
+
+    steps: int
+    tokens: int
+    seconds: float
+    final: dict = field(default_factory=dict)
+    history: list = field(default_factory=list)
+    resumed_from: int | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "final": self.final,
+            "resumed_from": self.resumed_from,
+        }
+
+
+def _named_trainable(model) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(stage_dir: Path, model, optimizer, scheduler, meta: dict, rng: dict) -> None:
+    """Atomically write ``stage_dir/checkpoint/`` (trainable tensors, optimizer, RNG, meta)."""
+    from safetensors.torch import save_file
+
+    tensors = {n: p.detach().cpu().contiguous() for n, p in _named_trainable(model).items()}
+    with atomic_directory(stage_dir / CHECKPOINT) as tmp:
+        save_file(tensors, str(tmp / "trainable.safetensors"))
+        torch.save(
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
+            tmp / "optimizer.pt",
+        )
+        atomic_write_json(tmp / "state.json", meta)
+
+
+def load_checkpoint(stage_dir: Path, model, optimizer, scheduler, identity: dict) -> tuple[dict, dict]:
+    """Restore a checkpoint written by ``save_checkpoint``; returns ``(meta, rng)``.
+
+    Raises:
+        CheckpointError: unreadable files, or a checkpoint made for another model / settings.
+    """
+    from safetensors.torch import load_file
+
+    ck = stage_dir / CHECKPOINT
+    try:
+        meta = json.loads((ck / "state.json").read_text())
+        tensors = load_file(str(ck / "trainable.safetensors"))
+        blob = torch.load(ck / "optimizer.pt", weights_only=False)
+    except Exception as e:  # any unreadable piece means the same to the user
+        raise CheckpointError(f"cannot read checkpoint {ck}: {e}", "delete it to start over") from None
+    if meta.get("identity") != identity:
+        diff = sorted(
+            k for k in set(identity) | set(meta.get("identity", {}))
+            if identity.get(k) != meta.get("identity", {}).get(k)
+        )
+        raise CheckpointError(
+            f"--resume: checkpoint in {stage_dir} was made with different {', '.join(diff)} "
+            f"({meta.get('identity', {}).get(diff[0]) if diff else ''!r} vs {identity.get(diff[0]) if diff else ''!r})",
+            "use another --run-dir, or drop --resume to start over",
+        )
+    params = _named_trainable(model)
+    if set(tensors) != set(params):
+        raise CheckpointError(f"checkpoint {ck} holds other trainable tensors than this model", "delete it")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(tensors[n].to(p.device, p.dtype))
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+    return meta, blob["rng"]
+
+
+def _lr_scheduler(optimizer, cfg: TrainConfig):
+    from transformers import get_cosine_schedule_with_warmup
+
+    warmup = int(round(cfg.warmup_frac * cfg.steps))
+    return get_cosine_schedule_with_warmup(optimizer, warmup, cfg.steps)
+
+
+def train_stage(
+    model,
+    data: torch.Tensor,
+    cfg: TrainConfig,
+    *,
+    stage_dir: Path,
+    identity: dict,
+    resume: bool = False,
+    progress: bool = True,
+    log_every: int = 1,
+    rank: int = 0,
+    world: int = 1,
+    ddp_model=None,
+    on_step=None,
+) -> TrainResult:
+    """Train the parameters of ``model`` that require grad (routers; plus LoRA in stage 2).
+
+    Args:
+        model: a routed model (``model.wide_routing``); frozen parameters have
+            ``requires_grad=False``.
+        data: ``[N, seq_len]`` int64 packed training sequences (no padding).
+        cfg: optimisation settings.
+        stage_dir: ``<run>/stage1`` or ``<run>/stage2``; holds ``checkpoint/`` and ``result.json``.
+        identity: what must match for ``resume`` (model, routing and training settings).
+        resume: continue from ``stage_dir/checkpoint`` when present.
+        progress: show a Rich progress bar on stderr (rank 0 only).
+        rank, world, ddp_model: data-parallel position and the wrapped model to call forward on.
+        on_step: optional callback ``(step, metrics)`` after each optimizer step (tests, signals).
+
+    Returns:
+        TrainResult.
+
+    Raises:
+        TrainingDivergedError: non-finite loss (names the step; the last good checkpoint stays).
+        CheckpointError: resume from a checkpoint of another model or settings.
+    """
+    state = model.wide_routing
+    rcfg = state.cfg
+    modules = state.active_modules
+    targets = {m: rcfg.target_for(m) for m in modules}
+    stage_dir = Path(stage_dir)
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    device = next(model.parameters()).device
+    fwd = ddp_model if ddp_model is not None else model
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise RuntimeError("no trainable parameters")
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = _lr_scheduler(optimizer, cfg)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + 17 + rank)
+    torch.manual_seed(cfg.seed + rank)
+    start, elapsed, history, resumed_from = 0, 0.0, [], None
+    if resume and (stage_dir / CHECKPOINT / "state.json").is_file():
+        meta, rng = load_checkpoint(stage_dir, model, optimizer, scheduler, identity)
+        start, elapsed, history = meta["step"], meta["seconds"], meta.get("history", [])
+        resumed_from = start
+        gen.set_state(rng["gumbel"][rank] if isinstance(rng["gumbel"], list) else rng["gumbel"])
+        torch.set_rng_state(rng["torch"])
+    state.generator = gen
+    model.train()
+    state.set_mode("gumbel")
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float16)
+        if device.type == "cuda" and cfg.dtype in ("bf16", "fp16")
+        else None
+    )
+    scaler = torch.amp.GradScaler("cuda") if autocast is not None and cfg.dtype == "fp16" else None
+
+    def rng_snapshot():
+        return {"gumbel": gen.get_state(), "torch": torch.get_rng_state()}
+
+    def meta_for(step):
+        return {
+            "step": step,
+            "tokens": step * cfg.tokens_per_step * world,
+            "seconds": elapsed,
+            "history": history,
+            "identity": identity,
+        }
+
+    bar = _Bar(cfg.steps, start, enabled=progress and rank == 0)
+    completed, snapshot = start, rng_snapshot()  # RNG as of the end of the last completed step
+    last_saved = start
+    try:
+        for step in range(start, cfg.steps):
+            t0 = time.perf_counter()
+            state.tau = temperature_at(step, cfg.steps, rcfg.tau_start, rcfg.tau_end)
+            sums = {"loss": 0.0, "lm_loss": 0.0, **{f"s_{m}": 0.0 for m in modules}}
+            for micro in range(cfg.grad_accum):
+                idx = batch_indices(len(data), cfg.batch_size, step * cfg.grad_accum + micro, cfg.seed,
+                                    rank=rank, world=world)
+                ids = data[idx].to(device)
+                ctx = autocast if autocast is not None else _nullctx()
+                with ctx:
+                    out = fwd(input_ids=ids, labels=ids)
+                    s_hat = state.measured_s_hat()
+                    sp = sparsity_loss(s_hat, targets, rcfg.per_module_targets) if s_hat else out.loss * 0
+                    loss = out.loss.float() + rcfg.sparsity_weight * sp
+                if not torch.isfinite(loss):
+                    raise TrainingDivergedError(
+                        f"non-finite loss ({loss.item()}) at step {step + 1}; "
+                        f"last good checkpoint is step {last_saved} in {stage_dir / CHECKPOINT}",
+                        "lower --lr or use --dtype fp32, then --resume",
+                    )
+                scaled = loss / cfg.grad_accum
+                (scaler.scale(scaled) if scaler else scaled).backward()
+                sums["loss"] += loss.item() / cfg.grad_accum
+                sums["lm_loss"] += out.loss.item() / cfg.grad_accum
+                for m in modules:
+                    sums[f"s_{m}"] += s_hat[m].item() / cfg.grad_accum
+            if scaler:
+                scaler.unscale_(optimizer)
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            elapsed += dt
+            completed, snapshot = step + 1, rng_snapshot()
+            active = [sums[f"s_{m}"] for m in modules]
+            metrics = {
+                "step": step + 1,
+                **{k: round(v, 5) for k, v in sums.items()},
+                "sparsity": round(sum(active) / len(active), 5) if active else 0.0,
+                "tau": round(state.tau, 4),
+                "lr": optimizer.param_groups[0]["lr"],
+                "tokens_per_s": round(cfg.tokens_per_step * world / dt, 1),
+            }
+            if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
+                history.append(metrics)
+            bar.update(metrics)
+            if on_step is not None:
+                on_step(step + 1, metrics)
+            if rank == 0 and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+                save_checkpoint(stage_dir, model, optimizer, scheduler, meta_for(step + 1), snapshot)
+                last_saved = step + 1
+    except KeyboardInterrupt:
+        # Stop after a clean checkpoint of the last completed step, then let the CLI exit 130.
+        optimizer.zero_grad(set_to_none=True)
+        if rank == 0 and completed > last_saved:
+            save_checkpoint(stage_dir, model, optimizer, scheduler, meta_for(completed), snapshot)
+        bar.close()
+        raise
+    finally:
+        state.set_mode("argmax")
+        model.eval()
+    bar.close()
+    result = TrainResult(cfg.steps, cfg.steps * cfg.tokens_per_step * world, elapsed, history[-1] if history else {}, history, resumed_from)
+    if rank == 0:
+        save_checkpoint(stage_dir, model, optimizer, scheduler, meta_for(cfg.steps), rng_snapshot())
+        atomic_write_json(stage_dir / RESULT, {**result.to_dict(), "history": history, "identity": identity})
+    return result
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+class _Bar:
+    """A Rich progress bar on stderr: step, LM loss, measured sparsity, temperature, tokens/s."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        self.p = None
+        if not enabled:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.p = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        )
+        self.p.start()
+        self.task = self.p.add_task("train", total=total, completed=start, info="")
+
+    def update(self, m: dict):
+        if self.p is None:
+            return
+        info = (
+            f"lm {m['lm_loss']:.3f}  s {m['sparsity']:.3f}  tau {m['tau']:.2f}  "
+            f"{m['tokens_per_s']:.0f} tok/s"
+        )
+        self.p.update(self.task, completed=m["step"], info=info)
+
+    def close(self):
+        if self.p is not None:
+            self.p.stop()
+            self.p = None
+
+
+def is_complete(stage_dir: Path, steps: int) -> bool:
+    """True when ``stage_dir/result.json`` records a finished run of ``steps`` steps."""
+    p = Path(stage_dir) / RESULT
+    if not p.is_file():
+        return False
+    try:
+        return json.loads(p.read_text()).get("steps") == steps
+    except ValueError:
+        return False
+
+
+def finite_or_raise(x: float, what: str) -> float:
+    if not math.isfinite(x):
+        raise TrainingDivergedError(f"{what} is not finite ({x})")
+    return x
