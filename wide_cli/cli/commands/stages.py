@@ -1,0 +1,143 @@
+"""`wide calibrate`, `wide train`, `wide export`: one pipeline stage each on a run directory.
+
+`calibrate` starts a run (MODEL + settings); later stages read the run's recorded settings
+(``<run-dir>/run.json``) and accept the same flags to override them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from wide_cli.cli import options as o
+
+
+def _settings_for_run(run_dir: Path, recipe: str | None, flags: dict, model: str | None = None):
+    from wide_cli.errors import CheckpointError
+    from wide_cli.pipeline.rundir import RunDir
+    from wide_cli.pipeline.settings import apply_overrides, load_recipe, settings_from_dict
+
+    run = RunDir(Path(run_dir))
+    recorded = run.read_run()
+    if recipe:
+        base = load_recipe(recipe)
+    elif recorded is not None:
+        raw = dict(recorded["settings"])
+        base = settings_from_dict(raw, origin=str(run.root / "run.json"))
+    else:
+        raise CheckpointError(f"{run.root} holds no run (run.json missing)", "start with `wide calibrate MODEL --run-dir ...`")
+    over = {o.FLAG_FIELDS[k]: v for k, v in flags.items() if k in o.FLAG_FIELDS}
+    if model is not None:
+        over[("model", "name")] = model
+    return run, apply_overrides(base, over)
+
+
+def calibrate_cmd(
+    model: o.ModelArg,
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory to create or reuse.")],
+    recipe: o.RecipeOpt = None,
+    data: o.Data = None,
+    heldout_fraction: o.HeldoutFraction = None,
+    max_train_tokens: o.MaxTrainTokens = None,
+    method: o.Method = None,
+    sparsity: o.Sparsity = None,
+    attn_group_size: o.AttnGroup = None,
+    ffn_group_size: o.FfnGroup = None,
+    seq_len: o.SeqLen = None,
+    batch_size: o.BatchSize = None,
+    dtype: o.Dtype = None,
+    device: o.Device = None,
+    resume: o.ResumeOpt = False,
+    json_out: o.JsonOpt = False,
+):
+    """Stage 1/4: tokenise + pack the data (cached) and collect per-group activation statistics."""
+    from wide_cli.cli import render
+    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.pipeline import stages
+    from wide_cli.pipeline.rundir import RunDir, run_lock
+
+    flags = {k: v for k, v in locals().items() if k in o.FLAG_FIELDS}
+    settings = o.resolve_settings(model, recipe, flags)
+    quiet_libraries()
+    run = RunDir(run_dir)
+    with run_lock(run):
+        res = stages.calibrate(settings, run, resume=resume)
+    out = {"run_dir": str(run.root), "train_sequences": res.train_sequences,
+           "heldout_sequences": res.heldout_sequences, "tokens": res.tokens,
+           "statistics": str(res.statistics), "seconds": round(res.seconds, 1)}
+    render.log(f"calibrated: {res.train_sequences} train / {res.heldout_sequences} held-out sequences, "
+               f"statistics in {res.statistics}")
+    if json_out:
+        render.emit_json(out)
+
+
+def train_cmd(
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory made by `wide calibrate`.")],
+    recipe: o.RecipeOpt = None,
+    stage: Annotated[int, typer.Option("--stage", help="1 = routers; 2 = LoRA recovery (+ routers).")] = 1,
+    steps: o.Steps = None,
+    batch_size: o.BatchSize = None,
+    grad_accum: o.GradAccum = None,
+    lr: o.Lr = None,
+    seed: o.Seed = None,
+    tau_start: o.TauStart = None,
+    tau_end: o.TauEnd = None,
+    sparsity_weight: o.SparsityWeight = None,
+    checkpoint_every: o.CheckpointEvery = None,
+    router_init: o.RouterInit = None,
+    lora_steps: o.LoraSteps = None,
+    lora_lr: o.LoraLr = None,
+    lora_rank: o.LoraRank = None,
+    lora_alpha: o.LoraAlpha = None,
+    freeze_routers: o.FreezeRouters = None,
+    resume: o.ResumeOpt = False,
+    json_out: o.JsonOpt = False,
+):
+    """Stage 2/4: train the routers (stage 1) or LoRA + routers (stage 2) on a calibrated run."""
+    from wide_cli.cli import render
+    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.errors import ConfigError
+    from wide_cli.pipeline import stages
+    from wide_cli.pipeline.rundir import run_lock
+
+    flags = {k: v for k, v in locals().items() if k in o.FLAG_FIELDS}
+    if stage not in (1, 2):
+        raise ConfigError(f"--stage {stage} unknown", "use 1 (routers) or 2 (LoRA recovery)")
+    if stage == 2:
+        flags["lora"] = True
+    run, settings = _settings_for_run(run_dir, recipe, flags)
+    quiet_libraries()
+    with run_lock(run):
+        if stage == 1:
+            res = stages.train(settings, run, resume=resume)
+        else:
+            from wide_cli.train.lora import train_stage2
+
+            res = train_stage2(settings, run, resume=resume)
+    render.log(f"trained stage {stage}: {res.steps} steps, {res.tokens} tokens, {res.seconds:.1f} s")
+    if json_out:
+        render.emit_json({"run_dir": str(run.root), "stage": stage, **res.to_dict()})
+
+
+def export_cmd(
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory with trained routers.")],
+    out: o.OutOpt = None,
+    json_out: o.JsonOpt = False,
+):
+    """Stage 3/4: write the deployable export (weights, routers, wide_config, manifest)."""
+    from wide_cli.cli import render
+    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.pipeline import stages
+    from wide_cli.pipeline.rundir import run_lock
+
+    run, settings = _settings_for_run(run_dir, None, {})
+    quiet_libraries()
+    dest = out or run.default_export
+    with run_lock(run):
+        res = stages.export(settings, run, dest)
+    render.log(f"exported {len(res.files)} files ({res.bytes / 1e6:.1f} MB) to {res.path}")
+    if json_out:
+        render.emit_json({"export_dir": str(res.path), "files": res.files, "bytes": res.bytes,
+                          "export_id": res.export_id})

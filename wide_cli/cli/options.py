@@ -1,0 +1,105 @@
+"""Shared option types and the flag -> settings table (flags override the recipe; an option
+left at ``None`` means "use the recipe's value")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+ModelArg = Annotated[str, typer.Argument(help="Model: alias (smollm2-135m, tiny-llama), HF id, local dir or .gguf.")]
+RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", help="Recipe TOML (path or shipped name, see `wide recipes`).")]
+RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default runs/<model>).")]
+OutOpt = Annotated[Optional[Path], typer.Option("--out", help="Export directory (default <run-dir>/export).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout (logs go to stderr).")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last checkpoint.")]
+
+# CLI option name (the Python parameter) -> (settings section, field).
+FLAG_FIELDS: dict[str, tuple[str, str]] = {
+    "data": ("data", "train"),
+    "eval_data": ("data", "eval"),
+    "heldout_fraction": ("data", "heldout_fraction"),
+    "max_train_tokens": ("data", "max_train_tokens"),
+    "method": ("routing", "method"),
+    "sparsity": ("routing", "sparsity"),
+    "sparsity_attention": ("routing", "sparsity_attention"),
+    "sparsity_ffn": ("routing", "sparsity_ffn"),
+    "sparsity_weight": ("routing", "sparsity_weight"),
+    "attn_group_size": ("routing", "attn_group_size"),
+    "ffn_group_size": ("routing", "ffn_group_size"),
+    "router_rank": ("routing", "router_rank"),
+    "tau_start": ("routing", "tau_start"),
+    "tau_end": ("routing", "tau_end"),
+    "steps": ("train", "steps"),
+    "seq_len": ("train", "seq_len"),
+    "batch_size": ("train", "batch_size"),
+    "grad_accum": ("train", "grad_accum"),
+    "lr": ("train", "lr"),
+    "seed": ("train", "seed"),
+    "checkpoint_every": ("train", "checkpoint_every"),
+    "dtype": ("model", "dtype"),
+    "device": ("model", "device"),
+    "router_init": ("run", "router_init"),
+    "eval_seq_len": ("eval", "seq_len"),
+    "eval_max_tokens": ("eval", "max_tokens"),
+    "eval_batch_size": ("eval", "batch_size"),
+    "lora": ("stage2", "enabled"),
+    "lora_steps": ("stage2", "steps"),
+    "lora_lr": ("stage2", "lr"),
+    "lora_rank": ("stage2", "lora_rank"),
+    "lora_alpha": ("stage2", "lora_alpha"),
+    "freeze_routers": ("stage2", "freeze_routers"),
+}
+
+# Option declarations shared by `prune` and the stage commands.
+Data = Annotated[Optional[str], typer.Option("--data", help="Training data: file, directory, HF dataset id or builtin:pydoc.")]
+EvalData = Annotated[Optional[str], typer.Option("--eval-data", help="Text for perplexity (default: held-out split of --data).")]
+HeldoutFraction = Annotated[Optional[float], typer.Option("--heldout-fraction", help="Share of packed sequences held out of training.")]
+MaxTrainTokens = Annotated[Optional[int], typer.Option("--max-train-tokens", help="Cap on tokenised training data.")]
+Method = Annotated[Optional[str], typer.Option("--method", help="wide | dynamic-depth | static-width | dense.")]
+Sparsity = Annotated[Optional[float], typer.Option("--sparsity", help="Target fraction of skipped (token, group) decisions, in [0, 1).")]
+SparsityAttn = Annotated[Optional[float], typer.Option("--sparsity-attention", help="Per-module target for attention (with --sparsity-ffn).")]
+SparsityFfn = Annotated[Optional[float], typer.Option("--sparsity-ffn", help="Per-module target for the FFN (with --sparsity-attention).")]
+SparsityWeight = Annotated[Optional[float], typer.Option("--sparsity-weight", help="lambda of the sparsity loss (default 20).")]
+AttnGroup = Annotated[Optional[int], typer.Option("--attn-group-size", help="Query heads per attention group (divides H).")]
+FfnGroup = Annotated[Optional[int], typer.Option("--ffn-group-size", help="FFN channels per group (divides the intermediate size).")]
+RouterRank = Annotated[Optional[int], typer.Option("--router-rank", help="Router bottleneck rank r (default 32).")]
+TauStart = Annotated[Optional[float], typer.Option("--tau-start", help="Gumbel temperature at the first step (default 5.0).")]
+TauEnd = Annotated[Optional[float], typer.Option("--tau-end", help="Gumbel temperature at the last step (default 0.5).")]
+Steps = Annotated[Optional[int], typer.Option("--steps", help="Optimizer steps of stage 1.")]
+SeqLen = Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per training sequence.")]
+BatchSize = Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per micro-batch.")]
+GradAccum = Annotated[Optional[int], typer.Option("--grad-accum", help="Micro-batches per optimizer step.")]
+Lr = Annotated[Optional[float], typer.Option("--lr", help="Router learning rate (default 2e-3).")]
+Seed = Annotated[Optional[int], typer.Option("--seed", help="Seed for data order, Gumbel noise and init.")]
+CheckpointEvery = Annotated[Optional[int], typer.Option("--checkpoint-every", help="Steps between checkpoints.")]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help="fp32 | bf16 | fp16 (fp16 on CPU is upcast to fp32).")]
+Device = Annotated[Optional[str], typer.Option("--device", help="cpu | cuda | cuda:N.")]
+RouterInit = Annotated[Optional[str], typer.Option("--router-init", help="default | calibration.")]
+EvalSeqLen = Annotated[Optional[int], typer.Option("--eval-seq-len", help="Perplexity window length (default: --seq-len).")]
+EvalMaxTokens = Annotated[Optional[int], typer.Option("--eval-max-tokens", help="Cap on perplexity tokens.")]
+EvalBatchSize = Annotated[Optional[int], typer.Option("--eval-batch-size", help="Windows per perplexity forward.")]
+Lora = Annotated[Optional[bool], typer.Option("--lora/--no-lora", help="Run stage 2 (LoRA recovery) after stage 1.")]
+LoraSteps = Annotated[Optional[int], typer.Option("--lora-steps", help="Optimizer steps of stage 2.")]
+LoraLr = Annotated[Optional[float], typer.Option("--lora-lr", help="Stage-2 learning rate (default 2e-4).")]
+LoraRank = Annotated[Optional[int], typer.Option("--lora-rank", help="LoRA rank (default 16).")]
+LoraAlpha = Annotated[Optional[float], typer.Option("--lora-alpha", help="LoRA alpha (default 32).")]
+FreezeRouters = Annotated[Optional[bool], typer.Option("--freeze-routers/--train-routers", help="Keep routers fixed in stage 2.")]
+
+
+def resolve_settings(model: str | None, recipe: str | None, flags: dict):
+    """Defaults <- recipe <- flags. ``flags`` maps parameter names of FLAG_FIELDS to values
+    (None = not given). Returns Settings; raises ConfigError on bad values."""
+    from wide_cli.pipeline.settings import Settings, apply_overrides, load_recipe
+
+    settings = load_recipe(recipe) if recipe else Settings()
+    over = {FLAG_FIELDS[k]: v for k, v in flags.items() if k in FLAG_FIELDS}
+    if model is not None:
+        over[("model", "name")] = model
+    return apply_overrides(settings, over)
+
+
+def default_run_dir(settings) -> Path:
+    name = Path(settings.model.name).name.removesuffix(".gguf").replace("/", "--")
+    return Path("runs") / f"{name}-{settings.routing.method}"

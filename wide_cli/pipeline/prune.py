@@ -1,0 +1,84 @@
+"""``prune``: calibrate -> train (stage 1, optional stage 2) -> export -> evaluate."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from wide_cli.pipeline import stages
+from wide_cli.pipeline.rundir import RunDir, run_lock
+from wide_cli.pipeline.settings import Settings
+
+
+@dataclass
+class PruneResult:
+    """The summary of a whole run (also what ``--json`` prints).
+
+    Attributes:
+        export_dir: the export directory.
+        sparsity: measured on the eval data: ``{attention, ffn, total, per_layer}``.
+        eval: ``{dense: {perplexity, ...}, pruned: {perplexity, ...}, protocol, data, unit}``.
+        train: ``{steps, tokens, seconds}`` of stage 1 (+ ``stage2`` when run).
+        seconds: wall time of the whole run, s.
+    """
+
+    export_dir: Path
+    sparsity: dict
+    eval: dict
+    train: dict
+    settings: dict
+    seconds: float
+    calibration: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "export_dir": str(self.export_dir),
+            "sparsity": self.sparsity,
+            "eval": self.eval,
+            "train": self.train,
+            "calibration": self.calibration,
+            "seconds": round(self.seconds, 1),
+            "settings": self.settings,
+        }
+
+
+def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume: bool = False,
+          progress: bool = True, log=print) -> PruneResult:
+    """Run every stage on ``run_dir``; ``out`` defaults to ``<run_dir>/export``.
+
+    ``log(msg)`` receives one line per stage (the CLI sends it to stderr).
+    """
+    t0 = time.perf_counter()
+    run = RunDir(Path(run_dir))
+    out = Path(out) if out else run.default_export
+    with run_lock(run):
+        log(f"[1/4] calibrate: model {settings.model.name}, data {settings.data.train}")
+        loaded = stages.load_backbone(settings)
+        cal = stages.calibrate(settings, run, resume=resume, loaded=loaded)
+        log(f"      {cal.train_sequences} train / {cal.heldout_sequences} held-out sequences of "
+            f"{settings.train.seq_len} tokens ({cal.seconds:.1f} s)")
+        log(f"[2/4] train: method {settings.routing.method}, {settings.train.steps} steps x "
+            f"{settings.train.sequences_per_step} x {settings.train.seq_len} tokens")
+        tr = stages.train(settings, run, resume=resume, loaded=loaded, progress=progress)
+        train_info = tr.to_dict()
+        if settings.stage2.enabled and settings.routing.method not in ("dense", "static-width"):
+            from wide_cli.train.lora import train_stage2
+
+            log(f"[2b] stage 2 (LoRA r={settings.stage2.lora_rank}): {settings.stage2.steps} steps")
+            t2 = train_stage2(settings, run, resume=resume, progress=progress)
+            train_info["stage2"] = t2.to_dict()
+        log(f"[3/4] export -> {out}")
+        stages.export(settings, run, out)
+        log("[4/4] evaluate: dense vs pruned perplexity")
+        report = stages.evaluate(settings, run, out)
+    sp = report.get("sparsity") or {}
+    return PruneResult(
+        export_dir=out,
+        sparsity=sp,
+        eval={k: report.get(k) for k in ("dense", "pruned", "protocol", "data", "unit", "seq_len")},
+        train=train_info,
+        settings=settings.to_dict(),
+        seconds=time.perf_counter() - t0,
+        calibration={"train_sequences": cal.train_sequences, "heldout_sequences": cal.heldout_sequences},
+    )

@@ -1,0 +1,385 @@
+"""One function per pipeline stage (DESIGN.md §2). Each reads and writes the run directory and
+returns a small result; ``prune`` (pipeline/prune.py) only composes them.
+
+calibrate -> <run>/calibration/  packed data cache, per-group activation statistics
+train     -> <run>/stage1/       routers (+ checkpoint for --resume); <run>/stage2/ LoRA + routers
+export    -> <out>/              deployable checkpoint
+evaluate  -> <run>/eval/         report.json (dense vs pruned perplexity, measured sparsity)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from wide_cli.errors import CheckpointError, ConfigError
+from wide_cli.export.atomic import atomic_write_json
+from wide_cli.pipeline.rundir import RunDir, model_identity, record_run
+from wide_cli.pipeline.settings import Settings
+
+log = logging.getLogger("wide")
+STATS_FILE = "statistics.safetensors"
+
+
+# ----------------------------------------------------------------------------- helpers
+def load_backbone(settings: Settings):
+    """Load the dense model of ``settings.model`` (LoadedModel)."""
+    from wide_cli.models.loader import load_model, resolve_dtype
+
+    dtype = resolve_dtype(settings.model.dtype, settings.model.device)
+    return load_model(settings.model.name, dtype=dtype, device=settings.model.device)
+
+
+def _identity(settings: Settings, loaded, *, stage: str) -> dict:
+    ident = {
+        "model": model_identity(loaded),
+        "routing": settings.routing.to_dict(),
+        "train": settings.train.to_dict(),
+        "data": settings.data.train,
+        "router_init": settings.run.router_init,
+    }
+    if stage == "stage2":
+        ident["stage2"] = {**settings.stage2.__dict__, "target_modules": list(settings.stage2.target_modules)}
+    return ident
+
+
+def _packed(settings: Settings, tokenizer, run: RunDir):
+    from wide_cli.data.packing import load_or_build
+
+    return load_or_build(
+        settings.data.train,
+        tokenizer,
+        settings.train.seq_len,
+        cache_dir=run.calibration / "data",
+        heldout_fraction=settings.data.heldout_fraction,
+        max_tokens=settings.data.max_train_tokens,
+    )
+
+
+# ----------------------------------------------------------------------------- calibrate
+@dataclass
+class CalibrationResult:
+    """``train_sequences`` / ``heldout_sequences``: packed sequence counts; ``tokens``: tokens
+    in the packed data; ``statistics``: path of the per-group statistics."""
+
+    train_sequences: int
+    heldout_sequences: int
+    tokens: int
+    statistics: Path
+    seconds: float
+
+
+def calibrate(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None, max_batches: int = 16):
+    """Tokenise and pack the training data (cached) and collect per-group activation statistics
+    of the dense model on up to ``max_batches`` x ``batch_size`` training sequences.
+
+    Raises:
+        DataError: missing/empty/too-short data. CheckpointError: run dir of another model.
+    """
+    import time
+
+    from wide_cli.calibrate.statistics import GroupStatistics, collect_statistics
+
+    t0 = time.perf_counter()
+    loaded = loaded or load_backbone(settings)
+    record_run(run, settings.to_dict(), model_identity(loaded), resume=resume)
+    packed = _packed(settings, loaded.tokenizer, run)
+    stats_path = run.calibration / STATS_FILE
+    if not (resume and stats_path.is_file()):
+        stats = collect_statistics(
+            loaded.model, packed.train, batch_size=settings.train.batch_size, max_batches=max_batches
+        )
+        stats.save(stats_path)
+    else:
+        GroupStatistics.load(stats_path)  # validates it is readable
+    res = CalibrationResult(
+        len(packed.train), len(packed.heldout), int(packed.train.numel() + packed.heldout.numel()),
+        stats_path, time.perf_counter() - t0,
+    )
+    atomic_write_json(
+        run.calibration / "calibration.json",
+        {**packed.meta, "train_sequences": res.train_sequences, "heldout_sequences": res.heldout_sequences},
+    )
+    return res
+
+
+# ----------------------------------------------------------------------------- routers
+def static_keep_masks(stats, settings: Settings, layout) -> dict:
+    """Static-width baseline: per module, drop the lowest-importance groups so that the module's
+    sparsity equals its target as closely as the group count allows.
+
+    ``K = round(target * G * L)`` groups are dropped per module: ``floor(target * G)`` in every
+    layer, the remaining ones in the layers whose next-lowest group is least important
+    (importance normalised by the layer's total). Returns ``{(layer, module): [G] bool}``.
+    """
+    keep = {}
+    for module in ("attention", "ffn"):
+        on = settings.routing.route_attention if module == "attention" else settings.routing.route_ffn
+        gs = layout.attn_group_size if module == "attention" else layout.ffn_group_size
+        imp = stats.group_importance(module, gs)  # [L, G]
+        L, G = imp.shape
+        if not on:
+            for i in range(L):
+                keep[(i, module)] = torch.ones(G, dtype=torch.bool)
+            continue
+        t = settings.routing.target_for(module)
+        total = int(round(t * G * L))
+        base = min(int(math.floor(t * G)), G)
+        norm = imp / imp.sum(dim=1, keepdim=True).clamp_min(1e-12)
+        order = norm.argsort(dim=1)  # ascending importance
+        drops = [base] * L
+        extra = total - base * L
+        if extra > 0:
+            cand = torch.tensor([norm[i, order[i, base]].item() if base < G else math.inf for i in range(L)])
+            for i in cand.argsort()[:extra].tolist():
+                drops[i] += 1
+        for i in range(L):
+            k = torch.ones(G, dtype=torch.bool)
+            k[order[i, : drops[i]]] = False
+            keep[(i, module)] = k
+    return keep
+
+
+def init_routers_from_statistics(model, stats, *, strength: float = 1.0) -> None:
+    """Router initialisation from calibration statistics: the bias of each group's execute logit
+    minus skip logit is ``strength * z + offset``, where ``z`` is the group's standardised
+    log-importance within its layer and ``offset = logit(1 - target)`` so that the initial skip
+    rate is near the target. Weights keep their kaiming init."""
+    from wide_cli.routing.model import decoder_layers
+
+    state = model.wide_routing
+    for module in state.active_modules:
+        gs = state.layout.attn_group_size if module == "attention" else state.layout.ffn_group_size
+        imp = stats.group_importance(module, gs).clamp_min(1e-12).log()  # [L, G]
+        z = (imp - imp.mean(1, keepdim=True)) / imp.std(1, keepdim=True).nan_to_num(1.0).clamp_min(1e-6)
+        if imp.shape[1] == 1:
+            z = torch.zeros_like(imp)
+        t = min(max(state.cfg.target_for(module), 1e-3), 1 - 1e-3)
+        offset = math.log((1 - t) / t)
+        for i, layer in enumerate(decoder_layers(model)):
+            r = getattr(layer, f"router_{module}", None)
+            if r is None or not hasattr(r, "router"):
+                continue
+            d = strength * z[i] + offset  # [G]: execute - skip
+            with torch.no_grad():
+                b = torch.stack([d / 2, -d / 2], dim=-1).reshape(-1)
+                r.router.bias.copy_(b.to(r.router.bias.dtype))
+
+
+def attach(settings: Settings, model, *, stats=None):
+    """Attach routers for ``settings.routing`` (static keep masks from ``stats`` for
+    static-width). Returns the RoutingState."""
+    from wide_cli.models.arch import model_shape
+    from wide_cli.routing import attach_routers, resolve_groups
+
+    static_keep = None
+    if settings.routing.method == "static-width":
+        if stats is None:
+            raise ConfigError("static-width needs calibration statistics", "run `wide calibrate` first")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            layout = resolve_groups(settings.routing, model_shape(model.config))
+        static_keep = static_keep_masks(stats, settings, layout)
+    torch.manual_seed(settings.train.seed)
+    return attach_routers(model, settings.routing, static_keep=static_keep)
+
+
+def _load_stats(run: RunDir):
+    from wide_cli.calibrate.statistics import GroupStatistics
+
+    p = run.calibration / STATS_FILE
+    if not p.is_file():
+        raise CheckpointError(f"{p} is missing", f"run `wide calibrate --run-dir {run.root}` first")
+    return GroupStatistics.load(p)
+
+
+# ----------------------------------------------------------------------------- train
+def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None, progress: bool = True,
+          on_step=None):
+    """Stage 1: train the routers with the backbone frozen (no-op for ``dense`` and
+    ``static-width``, which need no training). Writes ``<run>/stage1/routers.safetensors``.
+
+    Returns the TrainResult (``steps=0`` when nothing trains).
+    """
+    from safetensors.torch import save_file
+
+    from wide_cli.routing.model import router_state_dict
+    from wide_cli.train.loop import TrainResult, train_stage
+
+    loaded = loaded or load_backbone(settings)
+    record_run(run, settings.to_dict(), model_identity(loaded), resume=True)
+    model = loaded.model
+    stats = _load_stats(run) if settings.routing.method == "static-width" or settings.run.router_init == "calibration" else None
+    attach(settings, model, stats=stats)
+    run.stage1.mkdir(parents=True, exist_ok=True)
+    if settings.routing.method in ("dense", "static-width"):
+        res = TrainResult(0, 0, 0.0)
+    else:
+        if settings.run.router_init == "calibration":
+            init_routers_from_statistics(model, stats)
+        for n, p in model.named_parameters():
+            p.requires_grad_(".router_attention." in n or ".router_ffn." in n)
+        packed = _packed(settings, loaded.tokenizer, run)
+        res = train_stage(
+            model, packed.train, settings.train, stage_dir=run.stage1,
+            identity=_identity(settings, loaded, stage="stage1"), resume=resume, progress=progress,
+            on_step=on_step,
+        )
+    save_file(router_state_dict(model), str(run.stage1 / "routers.safetensors.tmp"))
+    Path(run.stage1 / "routers.safetensors.tmp").replace(run.stage1 / "routers.safetensors")
+    atomic_write_json(run.stage1 / "routers.json", {"routing": settings.routing.to_dict(), "train": res.to_dict()})
+    return res
+
+
+def routed_model_from_run(settings: Settings, run: RunDir, *, loaded=None):
+    """The backbone with the run's trained routers (stage 2 weights merged when present).
+
+    Returns ``(loaded, model)``.
+    """
+    from safetensors.torch import load_file
+
+    from wide_cli.routing.model import load_router_state_dict
+
+    loaded = loaded or load_backbone(settings)
+    model = loaded.model
+    stats = _load_stats(run) if settings.routing.method == "static-width" else None
+    attach(settings, model, stats=stats)
+    stage2 = run.stage2 / "merged.safetensors"
+    if settings.stage2.enabled and stage2.is_file():
+        from wide_cli.train.lora import load_merged_stage2
+
+        load_merged_stage2(model, stage2)
+    else:
+        rp = run.stage1 / "routers.safetensors"
+        if not rp.is_file():
+            raise CheckpointError(f"{rp} is missing", f"run `wide train --run-dir {run.root}` first")
+        load_router_state_dict(model, load_file(str(rp)))
+    model.wide_routing.set_mode("dense" if settings.routing.method == "dense" else "argmax")
+    return loaded, model
+
+
+# ----------------------------------------------------------------------------- measure
+def measure_sparsity(model, sequences: torch.Tensor, *, batch_size: int = 4, max_sequences: int | None = 64) -> dict:
+    """Measured sparsity of a routed model on ``sequences [N, T]`` (no padding).
+
+    Returns ``SparsityCounter.summary()``: ``{attention, ffn, total, per_layer}``, plus ``tokens``.
+    """
+    state = model.wide_routing
+    seqs = sequences if max_sequences is None else sequences[:max_sequences]
+    device = next(model.parameters()).device
+    counter = state.start_counting()
+    try:
+        with torch.no_grad():
+            for i in range(0, len(seqs), batch_size):
+                model(input_ids=seqs[i : i + batch_size].to(device))
+    finally:
+        state.stop_counting()
+    return {**counter.summary(), "tokens": int(seqs.numel())}
+
+
+# ----------------------------------------------------------------------------- export
+def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: dict | None = None):
+    """Write the deployable export of the run to ``out`` (atomic), with sparsity measured on
+    the held-out split. Returns the ExportResult."""
+    import json
+
+    from wide_cli.export.writer import export_model
+    from wide_cli.routing.config import resolve_groups
+
+    loaded, model = routed_model_from_run(settings, run, loaded=loaded)
+    packed = _packed(settings, loaded.tokenizer, run)
+    heldout = packed.heldout if len(packed.heldout) else packed.train
+    measured = measure_sparsity(model, heldout, batch_size=settings.eval.batch_size)
+    state = model.wide_routing
+    layout = resolve_groups(settings.routing, state.shape, warn=False)
+    train_info = {}
+    for stage in ("stage1", "stage2"):
+        p = getattr(run, stage) / "result.json"
+        if p.is_file():
+            r = json.loads(p.read_text())
+            train_info[stage] = {k: r.get(k) for k in ("steps", "tokens", "seconds", "final")}
+    wide_config = {
+        "method": settings.routing.method,
+        "routing": settings.routing.to_dict(),
+        "layout": {
+            "attn_group_size": layout.attn_group_size,
+            "ffn_group_size": layout.ffn_group_size,
+            "attn_groups": layout.attn_groups,
+            "ffn_groups": layout.ffn_groups,
+            "kv_aligned": layout.kv_aligned,
+        },
+        "measured_sparsity": {**measured, "data": "held-out split of " + settings.data.train},
+        "source_model": {"spec": loaded.source, "resolved": loaded.resolved, "revision": loaded.revision},
+        "lora": (
+            {"merged": True, "rank": settings.stage2.lora_rank, "alpha": settings.stage2.lora_alpha,
+             "target_modules": list(settings.stage2.target_modules)}
+            if settings.stage2.enabled and (run.stage2 / "merged.safetensors").is_file() else None
+        ),
+        "train": train_info,
+        "settings": settings.to_dict(),
+        "metrics": metrics or {},
+    }
+    return export_model(model, loaded.tokenizer, Path(out), wide_config=wide_config)
+
+
+# ----------------------------------------------------------------------------- evaluate
+def eval_stream(settings: Settings, tokenizer, run: RunDir) -> tuple[torch.Tensor, str]:
+    """The token stream for perplexity: ``data.eval`` when set, else the held-out split.
+
+    Returns ``(ids [N] int64, description)``.
+    """
+    if settings.data.eval:
+        from wide_cli.data.sources import read_documents
+
+        docs = read_documents(settings.data.eval)
+        ids = torch.tensor(
+            tokenizer("\n\n".join(docs), add_special_tokens=False).input_ids, dtype=torch.long
+        )
+        desc = settings.data.eval
+    else:
+        packed = _packed(settings, tokenizer, run)
+        ids = packed.heldout.reshape(-1)
+        desc = f"held-out split of {settings.data.train}"
+    if settings.eval.max_tokens:
+        ids = ids[: settings.eval.max_tokens]
+    return ids, desc
+
+
+def evaluate(settings: Settings, run: RunDir, export_dir: Path | None = None, *, dense: bool = True) -> dict:
+    """Token-level perplexity of the dense model and of the pruned one (from ``export_dir``, or
+    the run's routers), with measured sparsity per module and per layer. Writes
+    ``<run>/eval/report.json`` and returns it."""
+    from wide_cli.eval.perplexity import token_perplexity
+
+    seq_len = settings.eval.seq_len or settings.train.seq_len
+    report: dict = {"protocol": None}
+    loaded = load_backbone(settings)
+    ids, desc = eval_stream(settings, loaded.tokenizer, run)
+    if dense:
+        r = token_perplexity(loaded.model, ids, seq_len=seq_len, batch_size=settings.eval.batch_size)
+        report["dense"] = {k: r[k] for k in ("perplexity", "nll_mean", "n_tokens_scored", "n_windows")}
+        report["protocol"] = r["protocol"]
+    if export_dir is not None:
+        from wide_cli.export.loader import load_pruned
+        from wide_cli.models.loader import resolve_dtype
+
+        pm = load_pruned(export_dir, dtype=resolve_dtype(settings.model.dtype, settings.model.device),
+                         device=settings.model.device)
+        model = pm.model
+    else:
+        _, model = routed_model_from_run(settings, run, loaded=load_backbone(settings))
+    r = token_perplexity(model, ids, seq_len=seq_len, batch_size=settings.eval.batch_size)
+    report["pruned"] = {k: r[k] for k in ("perplexity", "nll_mean", "n_tokens_scored", "n_windows")}
+    report["protocol"] = r["protocol"]
+    report["sparsity"] = r.get("sparsity")
+    report["data"] = desc
+    report["unit"] = "token-level perplexity"
+    report["seq_len"] = seq_len
+    run.eval.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(run.eval / "report.json", report)
+    return report
