@@ -249,11 +249,10 @@ def routed_model_from_run(settings: Settings, run: RunDir, *, loaded=None):
     model = loaded.model
     stats = _load_stats(run) if settings.routing.method == "static-width" else None
     attach(settings, model, stats=stats)
-    stage2 = run.stage2 / "merged.safetensors"
-    if settings.stage2.enabled and stage2.is_file():
-        from wide_cli.train.lora import load_merged_stage2
+    if settings.stage2.enabled and (run.stage2 / "adapter.safetensors").is_file():
+        from wide_cli.train.lora import apply_stage2
 
-        load_merged_stage2(model, stage2)
+        model = apply_stage2(model, run.stage2, settings.stage2)
     else:
         rp = run.stage1 / "routers.safetensors"
         if not rp.is_file():
@@ -318,7 +317,7 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
         "lora": (
             {"merged": True, "rank": settings.stage2.lora_rank, "alpha": settings.stage2.lora_alpha,
              "target_modules": list(settings.stage2.target_modules)}
-            if settings.stage2.enabled and (run.stage2 / "merged.safetensors").is_file() else None
+            if settings.stage2.enabled and (run.stage2 / "adapter.safetensors").is_file() else None
         ),
         "train": train_info,
         "settings": settings.to_dict(),

@@ -210,6 +210,8 @@ def train_stage(
                                     rank=rank, world=world)
                 ids = data[idx].to(device)
                 ctx = autocast if autocast is not None else _nullctx()
+                state.records.clear()  # wrappers (PEFT, DDP) may bypass the model's pre-hook
+                state.valid = None  # packed sequences: every token is valid
                 with ctx:
                     out = fwd(input_ids=ids, labels=ids)
                     s_hat = state.measured_s_hat()
