@@ -1,0 +1,224 @@
+"""The backend interface, the backend-neutral weights it receives, and the one table of backends.
+
+The engine (``runtime/engine.py``) owns everything dense and shared: embeddings, RMSNorms,
+routers, RoPE, the KV cache, residual adds and the LM head. A backend owns the routed work of a
+decoder layer (Q/O projections, SwiGLU FFN, attention) and the weight layout that makes that
+work fast on its hardware; it receives the weights once through ``prepare_layer`` and gets them
+back, prepared, on every call.
+
+Masks are group-level ``bool`` tensors, ``True`` = execute, ``None`` = every group executes
+(see ``runtime/ops.py`` for the operator semantics every backend must reproduce).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from wide_cli.errors import ConfigError
+
+
+@dataclass
+class RouterWeights:
+    """One learned router (fp32): ``Linear(D, r) -> Linear(r, 2G)``, logits ``[..., G, 2]``.
+
+    Attributes:
+        wc, bc: compressor ``[r, D]``, ``[r]``.
+        wr, br: router ``[2G, r]``, ``[2G]``.
+    """
+
+    wc: torch.Tensor
+    bc: torch.Tensor
+    wr: torch.Tensor
+    br: torch.Tensor
+
+    @property
+    def groups(self) -> int:
+        return self.wr.shape[0] // 2
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer in Hugging Face layout (``Linear.weight`` is ``[out, in]``).
+
+    Sizes are read from the tensors, never from the model config (B05): a layer may have fewer
+    query heads, KV heads or channels than its neighbours.
+
+    Attributes:
+        index: layer number.
+        wq ``[H*d, D]``, wk/wv ``[H_kv*d, D]``, wo ``[D, H*d]``; bq/bk/bv/bo biases or None
+            (Qwen2 has q/k/v biases, B15).
+        w_gate, w_up ``[F, D]``, w_down ``[D, F]``.
+        ln_attn, ln_ffn ``[D]``: input / post-attention RMSNorm weights.
+        q_norm, k_norm ``[d]`` or None: Qwen3 per-head RMSNorms (B16).
+        head_dim: d. num_heads, num_kv_heads, intermediate_size: from the weight shapes.
+        attn_group_size, ffn_group_size: heads / channels per routed group of this layer.
+        router_attention, router_ffn: learned routers, or None.
+        keep_attention, keep_ffn: static ``[G]`` bool keep masks (static-width), or None.
+        window: sliding-window size in slots, or None.
+    """
+
+    index: int
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    ln_attn: torch.Tensor
+    ln_ffn: torch.Tensor
+    head_dim: int
+    attn_group_size: int
+    ffn_group_size: int
+    bq: torch.Tensor | None = None
+    bk: torch.Tensor | None = None
+    bv: torch.Tensor | None = None
+    bo: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    router_attention: RouterWeights | None = None
+    router_ffn: RouterWeights | None = None
+    keep_attention: torch.Tensor | None = None
+    keep_ffn: torch.Tensor | None = None
+    window: int | None = None
+
+    @property
+    def num_heads(self) -> int:
+        return self.wq.shape[0] // self.head_dim
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.wk.shape[0] // self.head_dim
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w_gate.shape[0]
+
+    @property
+    def attn_groups(self) -> int:
+        return self.num_heads // self.attn_group_size
+
+    @property
+    def ffn_groups(self) -> int:
+        return self.intermediate_size // self.ffn_group_size
+
+
+@dataclass
+class ModelWeights:
+    """A whole model in backend-neutral form (what ``Runtime`` builds from an export or a model).
+
+    Attributes:
+        embed ``[V, D]``; lm_head ``[V, D]`` (the same tensor when tied); final_norm ``[D]``.
+        layers: one ``LayerWeights`` per decoder layer.
+        rms_eps: RMSNorm epsilon. inv_freq ``[d/2]`` fp32 and rope_scale: RoPE tables computed
+            by transformers' ``ROPE_INIT_FUNCTIONS`` (B26).
+        eos_token_ids: ids that end generation.
+        tied: lm_head is embed.
+    """
+
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    final_norm: torch.Tensor
+    layers: list[LayerWeights]
+    rms_eps: float
+    inv_freq: torch.Tensor
+    rope_scale: float
+    eos_token_ids: tuple[int, ...] = ()
+    tied: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a backend implements. ``P`` below is whatever ``prepare_layer`` returned.
+
+    Attributes:
+        name: the key in ``BACKENDS``.
+        device: where its tensors live (the engine allocates activations and the cache there).
+    """
+
+    name: str
+    device: torch.device
+
+    def prepare_layer(self, layer: LayerWeights, dtype: torch.dtype) -> Any:
+        """Arrange one layer's weights for this backend (called once at load)."""
+        ...
+
+    def attn_in(
+        self, p: Any, x: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q (routed, ``gemm_mn``) and dense K/V projections.
+
+        Args:
+            x: ``[M, D]`` normed hidden states. mask: ``[M, G_a]`` bool or None.
+        Returns:
+            ``q [M, H*d]`` (exact zeros on skipped head groups, bias included),
+            ``k, v [M, H_kv*d]`` (dense: every token, B06).
+        """
+        ...
+
+    def attn_out(self, p: Any, o: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """O projection over active head groups (``gemm_k``): ``o [M, H*d] -> [M, D]``."""
+        ...
+
+    def mlp(self, p: Any, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Routed SwiGLU FFN: ``gemm_mn_swiglu`` then ``gemm_k``; ``x [M, D] -> [M, D]``.
+        mask: ``[M, G_f]`` bool or None."""
+        ...
+
+    def attention_prefill(self, q, k, v, head_mask, *, key_valid, q_offset, scale, window) -> torch.Tensor:
+        """Same contract as ``ops.attention_prefill``."""
+        ...
+
+    def attention_decode(self, q, k_cache, v_cache, head_mask, key_valid, *, scale, window) -> torch.Tensor:
+        """Same contract as ``ops.attention_decode``."""
+        ...
+
+
+# name -> class, or "module:Class" imported on first use (the CUDA backend needs cupy, which must
+# not be imported by `wide --help` or on CPU-only machines).
+BACKENDS: dict[str, Any] = {
+    "reference": "wide_cli.runtime.reference:ReferenceBackend",
+    "cpu": "wide_cli.runtime.cpu:CpuBackend",
+    "cupy": "wide_cli.runtime.cupy_backend:CupyBackend",
+}
+
+# Backends that need an NVIDIA GPU.
+CUDA_BACKENDS = ("cupy",)
+
+
+def backend_class(name: str) -> type:
+    """Resolve a backend name from ``BACKENDS`` to its class.
+
+    Raises:
+        ConfigError: unknown name; ``cupy`` without a CUDA device or without cupy installed.
+    """
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown backend {name!r}", f"choose one of {', '.join(BACKENDS)}")
+    if name in CUDA_BACKENDS and not torch.cuda.is_available():
+        raise ConfigError(
+            f"backend {name!r} needs an NVIDIA GPU: no CUDA device (torch.cuda.is_available() is False)",
+            "use --backend cpu, or run on a machine with a GPU and a CUDA build of torch",
+        )
+    entry = BACKENDS[name]
+    if isinstance(entry, str):
+        mod, _, cls = entry.partition(":")
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            raise ConfigError(
+                f"backend {name!r} is not available ({e.name} is not installed or not built yet)",
+                "install the cuda extra (`pip install -e '.[cuda]'`)" if name in CUDA_BACKENDS else None,
+            ) from None
+        entry = getattr(module, cls)
+    return entry
+
+
+def get_backend(name: str, device: str | torch.device | None = None) -> Backend:
+    """Instantiate the backend ``name`` (see ``backend_class``) on ``device`` (its default if None)."""
+    cls = backend_class(name)
+    return cls() if device is None else cls(device=device)
