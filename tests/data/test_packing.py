@@ -103,7 +103,7 @@ def test_cache_hit_is_identical_and_changes_miss(tok, tmp_path, monkeypatch, cap
     assert first.meta["source"] == src and first.meta["cache_key"]
     assert len(list(cache.glob("packed-*.safetensors"))) == 1
 
-    import wide_cli.data.packing as packing
+    from wide_cli.data import packing
 
     def no_read(_):
         raise AssertionError("cache hit expected: documents must not be read again")

@@ -169,11 +169,12 @@ def _read_jsonl(path: Path, text_field: str | None) -> list[str]:
 
 
 def _read_parquet(path: Path, text_field: str | None) -> list[str]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         table = pq.read_table(path)
-    except Exception as e:  # pyarrow raises several types (ArrowInvalid, OSError) for bad files
+    except (pa.ArrowException, OSError, ValueError) as e:
         raise DataError(f"cannot read parquet file {str(path)!r}: {e}", "check that the file is complete") from None
     col = _pick_field(table.column_names, text_field)
     if col is None:

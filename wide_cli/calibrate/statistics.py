@@ -1,0 +1,206 @@
+"""Per-unit activation statistics of the dense model, the input of static-width pruning and of
+router initialisation (DESIGN.md §1 "Baselines", §2 ``calibrate``).
+
+Units are what a router group is made of: query heads (attention) and SwiGLU intermediate channels
+(FFN). Their scores are read where a skip acts (DESIGN.md §1 "What a skip removes"):
+
+- attention: the input of ``self_attn.o_proj``, ``[B, T, H * d]``, head-major, i.e. the
+  concatenated per-head attention outputs; score = mean over tokens of each head's L2 norm.
+- FFN: the input of ``mlp.down_proj``, ``act(gate) * up``, ``[B, T, F]``; score = mean over
+  tokens of each channel's absolute value.
+
+A group's importance is the sum of its units' scores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from wide_cli.errors import CheckpointError, ConfigError
+
+FORMAT = "wide-group-statistics"
+FORMAT_VERSION = "1"
+MODULES = ("attention", "ffn")
+
+
+@dataclass
+class GroupStatistics:
+    """Mean per-unit activation magnitudes over calibration tokens.
+
+    Attributes:
+        attn_head_norm: ``[L, H]`` float32, mean over tokens of the L2 norm of each query head's
+            attention output (before ``o_proj``).
+        ffn_channel_norm: ``[L, F]`` float32, mean over tokens of ``|act(gate) * up|`` per channel.
+        tokens: number of tokens averaged over.
+    """
+
+    attn_head_norm: torch.Tensor
+    ffn_channel_norm: torch.Tensor
+    tokens: int
+
+    def __post_init__(self):
+        a, f = self.attn_head_norm, self.ffn_channel_norm
+        assert a.dim() == 2 and f.dim() == 2 and a.shape[0] == f.shape[0], (a.shape, f.shape)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.attn_head_norm.shape[0])
+
+    def group_importance(self, module: str, group_size: int) -> torch.Tensor:
+        """Sum of the unit scores in each contiguous group.
+
+        Args:
+            module: ``attention`` (units = query heads) or ``ffn`` (units = channels).
+            group_size: units per group; must divide the unit count.
+
+        Returns:
+            ``[L, G]`` float32 with ``G = units / group_size``.
+
+        Raises:
+            ConfigError: unknown module, or a group size that does not divide the unit count.
+        """
+        if module == "attention":
+            scores, what, flag = self.attn_head_norm, "query heads", "attn-group-size"
+        elif module == "ffn":
+            scores, what, flag = self.ffn_channel_norm, "FFN channels", "ffn-group-size"
+        else:
+            raise ConfigError(f"unknown module {module!r}", f"choose one of {', '.join(MODULES)}")
+        L, units = scores.shape
+        if group_size < 1 or units % group_size:
+            raise ConfigError(f"{flag} {group_size} does not divide {units} {what}",
+                              f"use a divisor of {units}")
+        return scores.reshape(L, units // group_size, group_size).sum(dim=-1)
+
+    def save(self, path: str | Path) -> None:
+        """Write a safetensors file atomically (temp file in the same directory + rename)."""
+        from safetensors.torch import save
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = save(
+            {"attn_head_norm": self.attn_head_norm.float().contiguous().cpu(),
+             "ffn_channel_norm": self.ffn_channel_norm.float().contiguous().cpu()},
+            metadata={"format": FORMAT, "version": FORMAT_VERSION, "tokens": str(int(self.tokens))},
+        )
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str | Path) -> GroupStatistics:
+        """Read a file written by ``save``.
+
+        Raises:
+            CheckpointError: missing, unreadable or not a statistics file.
+        """
+        from safetensors import SafetensorError, safe_open
+
+        path = Path(path)
+        hint = "re-run `wide calibrate` to rebuild it"
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != FORMAT:
+                    raise CheckpointError(f"{path} is not a wide statistics file", hint)
+                return cls(f.get_tensor("attn_head_norm"), f.get_tensor("ffn_channel_norm"), int(meta["tokens"]))
+        except (OSError, SafetensorError, KeyError, ValueError) as e:
+            raise CheckpointError(f"cannot read calibration statistics {path}: {e}", hint) from None
+
+
+def _backbone(model):
+    """The decoder stack (``model.model``), also under a PEFT wrapper: running it instead of the
+    CausalLM skips ``lm_head``, whose ``[B, T, vocab]`` logits would dominate memory."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model
+
+
+@torch.no_grad()
+def collect_statistics(
+    model,
+    batches: torch.Tensor,
+    *,
+    batch_size: int = 4,
+    max_batches: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> GroupStatistics:
+    """Run the DENSE model over ``batches`` and average per-unit activation magnitudes.
+
+    Args:
+        model: a supported ``*ForCausalLM`` without routers (any dtype/device; statistics are
+            accumulated in float64 on the CPU).
+        batches: ``[N, T]`` int64 token ids, every position a real token (packed data: no padding).
+        batch_size: sequences per forward pass.
+        max_batches: use at most this many forward passes (the first ones), None = all of ``N``.
+        progress: called as ``progress(done, total)`` after each forward pass.
+
+    Returns:
+        ``GroupStatistics`` with token-weighted means over all sequences used.
+
+    Raises:
+        ModelSourceError: unsupported architecture. ValueError: empty ``batches``.
+    """
+    from wide_cli.models.arch import model_shape
+    from wide_cli.routing.model import decoder_layers
+
+    if batches.dim() != 2 or batches.shape[0] == 0:
+        raise ValueError(f"batches must be a non-empty [N, T] tensor, got shape {tuple(batches.shape)}")
+    shape = model_shape(model.config)
+    L, H, d, F = shape.num_layers, shape.num_heads, shape.head_dim, shape.intermediate_size
+    attn_sum = torch.zeros(L, H, dtype=torch.float64)
+    ffn_sum = torch.zeros(L, F, dtype=torch.float64)
+
+    def attn_hook(i):
+        def hook(module, args):
+            x = args[0]  # [B, T, H * d], head h in columns h*d:(h+1)*d
+            assert x.shape[-1] == H * d, (x.shape, H, d)
+            norms = x.float().reshape(-1, H, d).norm(dim=-1)  # [B*T, H]
+            attn_sum[i] += norms.sum(dim=0).double().cpu()
+
+        return hook
+
+    def ffn_hook(i):
+        def hook(module, args):
+            x = args[0]  # [B, T, F] = act(gate) * up
+            assert x.shape[-1] == F, (x.shape, F)
+            ffn_sum[i] += x.float().abs().reshape(-1, F).sum(dim=0).double().cpu()
+
+        return hook
+
+    handles = []
+    for i, layer in enumerate(decoder_layers(model)):
+        handles.append(layer.self_attn.o_proj.register_forward_pre_hook(attn_hook(i)))
+        handles.append(layer.mlp.down_proj.register_forward_pre_hook(ffn_hook(i)))
+    device = next(model.parameters()).device
+    backbone = _backbone(model)
+    starts = list(range(0, batches.shape[0], batch_size))
+    if max_batches is not None:
+        starts = starts[: max(0, int(max_batches))]
+    tokens = 0
+    was_training = model.training
+    model.eval()
+    try:
+        for done, s in enumerate(starts, start=1):
+            chunk = batches[s : s + batch_size].to(device)
+            backbone(input_ids=chunk, use_cache=False)
+            tokens += chunk.numel()
+            if progress is not None:
+                progress(done, len(starts))
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    denom = max(tokens, 1)
+    return GroupStatistics((attn_sum / denom).float(), (ffn_sum / denom).float(), tokens)
