@@ -143,6 +143,7 @@ def test_zero_heldout_round_trips_through_cache(tok, tmp_path):
     assert a.heldout.shape == b.heldout.shape == (0, 16)
 
 
+@pytest.mark.real_data
 @pytest.mark.skipif(not CORPUS.is_dir(), reason=f"{SHARED / 'data'} is absent")
 def test_real_corpus_packs(tok, tmp_path):
     p = load_or_build(str(CORPUS), tok, 64, cache_dir=tmp_path, max_tokens=64 * 50)

@@ -13,7 +13,6 @@ from wide_cli.errors import DataError
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"  # <repo>/../shared
 CORPUS = SHARED / "data" / "corpus"
 WIKITEXT = SHARED / "data" / "wikitext-2-raw"
-needs_shared = pytest.mark.skipif(not CORPUS.is_dir(), reason=f"{SHARED / 'data'} is absent")
 
 
 def _write_jsonl(path: Path, rows: list) -> Path:
@@ -121,7 +120,8 @@ def test_fingerprint_changes_with_file(tmp_path):
     assert source_fingerprint("org/name:cfg") == {"dataset": "org/name:cfg"}
 
 
-@needs_shared
+@pytest.mark.real_data
+@pytest.mark.skipif(not CORPUS.is_dir(), reason=f"{SHARED / 'data'} is absent")
 def test_real_corpus_files():
     docs = read_documents(str(CORPUS / "c4_en_sample200.jsonl"))
     assert len(docs) == 200
@@ -129,7 +129,8 @@ def test_real_corpus_files():
     assert len(wiki) == 107 and all(len(d) >= 500 for d in wiki)
 
 
-@needs_shared
+@pytest.mark.real_data
+@pytest.mark.skipif(not WIKITEXT.is_dir(), reason=f"{SHARED / 'data'} is absent")
 def test_real_wikitext_raw_is_one_document():
     (doc,) = read_documents(str(WIKITEXT / "wiki.test.raw"))
     assert doc.startswith(" \n = Robert Boulter = \n")

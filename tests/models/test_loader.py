@@ -102,8 +102,7 @@ def test_missing_path_is_named(spec):
         load_model(spec)
 
 
-def test_missing_hub_id_says_offline(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_missing_hub_id_says_offline():
     with pytest.raises(ModelSourceError) as e:
         load_model("wide-test-nobody/no-such-model-xyz")
     msg = str(e.value)

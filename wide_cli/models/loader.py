@@ -189,6 +189,7 @@ def _build_cache_entry(final: Path, build) -> None:
     """Run ``build(tmp_dir)`` in a temp dir next to ``final``, then publish it atomically."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared between users/jobs
     try:
         build(tmp)
         _publish_dir(tmp, final)
