@@ -11,11 +11,23 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
+def _have_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
 def pytest_collection_modifyitems(config, items):
     slow_ok = os.environ.get("WIDE_SLOW", "") not in ("", "0")
+    cuda = _have_cuda()
     for item in items:
         if "slow" in item.keywords and not slow_ok:
             item.add_marker(pytest.mark.skip(reason="slow test: set WIDE_SLOW=1 to run"))
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)"))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -88,7 +88,7 @@ def load_pruned(
     """
     import warnings
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from wide_cli.routing.model import attach_routers, load_router_state_dict
 
@@ -102,8 +102,10 @@ def load_pruned(
             f"({manifest.get('export_id')} != {wcfg.get('export_id')})",
             "re-run `wide export`",
         )
+    from wide_cli.models.loader import load_tokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot load the tokenizer of {path}: {e}", "re-run `wide export`") from None
     try:

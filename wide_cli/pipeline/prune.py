@@ -50,11 +50,12 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
     ``log(msg)`` receives one line per stage (the CLI sends it to stderr).
     """
     t0 = time.perf_counter()
+    settings = stages.effective_settings(settings)
     run = RunDir(Path(run_dir))
     out = Path(out) if out else run.default_export
     with run_lock(run):
-        log(f"[1/4] calibrate: model {settings.model.name}, data {settings.data.train}")
         loaded = stages.load_backbone(settings)
+        log(f"[1/4] calibrate: model {settings.model.name}, data {settings.data.train}")
         cal = stages.calibrate(settings, run, resume=resume, loaded=loaded)
         log(f"      {cal.train_sequences} train / {cal.heldout_sequences} held-out sequences of "
             f"{settings.train.seq_len} tokens ({cal.seconds:.1f} s)")

@@ -27,12 +27,37 @@ STATS_FILE = "statistics.safetensors"
 
 
 # ----------------------------------------------------------------------------- helpers
+def effective_settings(settings: Settings) -> Settings:
+    """Settings as they will run: fp16 on CPU becomes fp32 with one warning (public case B12)."""
+    if settings.model.dtype in ("fp16", "float16") and not str(settings.model.device).startswith("cuda"):
+        warnings.warn(
+            "fp16 is not supported on CPU; computing in fp32 instead (pass --dtype fp32 or bf16 on CPU, "
+            "or run on a GPU for fp16)",
+            UserWarning,
+            stacklevel=2,
+        )
+        return settings.replace("model", dtype="fp32")
+    return settings
+
+
 def load_backbone(settings: Settings):
-    """Load the dense model of ``settings.model`` (LoadedModel)."""
+    """Load the dense model of ``settings.model`` (LoadedModel) and check the routing settings
+    against it (group sizes must divide H and F) before any work is done.
+
+    Raises:
+        ModelSourceError: unknown/missing model, unsupported architecture.
+        ConfigError: a group size that does not fit the model.
+    """
+    from wide_cli.models.arch import model_shape
     from wide_cli.models.loader import load_model, resolve_dtype
+    from wide_cli.routing.config import resolve_groups
 
     dtype = resolve_dtype(settings.model.dtype, settings.model.device)
-    return load_model(settings.model.name, dtype=dtype, device=settings.model.device)
+    loaded = load_model(settings.model.name, dtype=dtype, device=settings.model.device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resolve_groups(settings.routing, model_shape(loaded.model.config))
+    return loaded
 
 
 def _identity(settings: Settings, loaded, *, stage: str) -> dict:
@@ -58,6 +83,7 @@ def _packed(settings: Settings, tokenizer, run: RunDir):
         cache_dir=run.calibration / "data",
         heldout_fraction=settings.data.heldout_fraction,
         max_tokens=settings.data.max_train_tokens,
+        seed=settings.train.seed,
     )
 
 

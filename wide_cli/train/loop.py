@@ -291,31 +291,37 @@ class _Bar:
 
     def __init__(self, total: int, start: int, enabled: bool):
         self.p = None
+        self.lines = None
         if not enabled:
             return
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+        console = Console(stderr=True)
+        if not console.is_terminal:  # logs / CI: one plain line per ~10 % of the run
+            self.lines, self.total, self.every = console, total, max(1, total // 10)
+            return
         self.p = Progress(
             TextColumn("[bold]train"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("{task.fields[info]}"),
             TimeRemainingColumn(),
-            console=Console(stderr=True),
+            console=console,
             transient=False,
         )
         self.p.start()
         self.task = self.p.add_task("train", total=total, completed=start, info="")
 
     def update(self, m: dict):
-        if self.p is None:
-            return
         info = (
             f"lm {m['lm_loss']:.3f}  s {m['sparsity']:.3f}  tau {m['tau']:.2f}  "
             f"{m['tokens_per_s']:.0f} tok/s"
         )
-        self.p.update(self.task, completed=m["step"], info=info)
+        if self.lines is not None and (m["step"] % self.every == 0 or m["step"] == self.total):
+            self.lines.print(f"train step {m['step']}/{self.total}  {info}", highlight=False)
+        if self.p is not None:
+            self.p.update(self.task, completed=m["step"], info=info)
 
     def close(self):
         if self.p is not None:

@@ -31,7 +31,9 @@ def _settings_for_run(run_dir: Path, recipe: str | None, flags: dict, model: str
     over = {o.FLAG_FIELDS[k]: v for k, v in flags.items() if k in o.FLAG_FIELDS}
     if model is not None:
         over[("model", "name")] = model
-    return run, apply_overrides(base, over)
+    from wide_cli.pipeline.stages import effective_settings
+
+    return run, effective_settings(apply_overrides(base, over))
 
 
 def calibrate_cmd(
@@ -59,7 +61,7 @@ def calibrate_cmd(
     from wide_cli.pipeline.rundir import RunDir, run_lock
 
     flags = {k: v for k, v in locals().items() if k in o.FLAG_FIELDS}
-    settings = o.resolve_settings(model, recipe, flags)
+    settings = stages.effective_settings(o.resolve_settings(model, recipe, flags))
     quiet_libraries()
     run = RunDir(run_dir)
     with run_lock(run):

@@ -1,0 +1,84 @@
+"""`wide eval TARGET...`: perplexity + zero-shot tasks for dense models and exports, side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from wide_cli.cli import options as o
+
+Targets = Annotated[list[str], typer.Argument(
+    help="Models to compare, in order: export directories and/or model specs (alias, HF id, local dir, "
+         ".gguf). The first dense one is the reference for '% of dense'.")]
+TasksOpt = Annotated[Optional[str], typer.Option(
+    "--tasks", help="Comma-separated: wikitext, arc_easy, arc_challenge, piqa, hellaswag, boolq, winogrande, "
+                    "openbookqa (default: all).")]
+DataDirOpt = Annotated[Optional[Path], typer.Option(
+    "--data-dir", help="Directory with wikitext-2-raw/ and zeroshot/ (default: ../shared/data if present).")]
+LimitOpt = Annotated[Optional[int], typer.Option(
+    "--limit", help="First N items per zero-shot task and first N WikiText pages (default: all).")]
+EvalSeqLenOpt = Annotated[Optional[int], typer.Option(
+    "--seq-len", help="Perplexity window in tokens (default: min(2048, model context)).")]
+StrideOpt = Annotated[Optional[int], typer.Option(
+    "--stride", help="Perplexity stride < seq-len for sliding windows (default: non-overlapping).")]
+EvalBatchOpt = Annotated[Optional[int], typer.Option("--batch-size", help="Requests/windows per forward (default 4).")]
+EvalDataOpt = Annotated[Optional[Path], typer.Option("--eval-data", help="Any UTF-8 text file: token-level perplexity.")]
+ReportOutOpt = Annotated[Optional[Path], typer.Option(
+    "--out", help="Write report.json, report.md and sparsity plots here (default: nothing written).")]
+
+DEFAULT_BATCH_SIZE = 4
+DEFAULT_DTYPE = "fp32"
+DEFAULT_DEVICE = "cpu"
+
+
+def default_data_dir() -> Path | None:
+    """``../shared/data`` relative to the working directory, when it exists."""
+    p = Path.cwd().parent / "shared" / "data"
+    return p if p.is_dir() else None
+
+
+def eval_cmd(
+    targets: Targets,
+    tasks: TasksOpt = None,
+    data_dir: DataDirOpt = None,
+    limit: LimitOpt = None,
+    seq_len: EvalSeqLenOpt = None,
+    stride: StrideOpt = None,
+    batch_size: EvalBatchOpt = None,
+    dtype: o.Dtype = None,
+    device: o.Device = None,
+    eval_data: EvalDataOpt = None,
+    out: ReportOutOpt = None,
+    json_out: o.JsonOpt = False,
+):
+    """Evaluate models: WikiText-2 perplexity (token-level and lm-eval word-level), zero-shot
+    accuracy (acc and acc_norm), measured sparsity and routed FLOPs, in one table."""
+    from wide_cli.cli import render
+    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.eval import run
+    from wide_cli.eval.report import render_table
+
+    quiet_libraries()
+    task_list = list(run.DEFAULT_TASKS) if tasks is None else [t.strip() for t in tasks.split(",") if t.strip()]
+    report = run.evaluate_targets(
+        targets,
+        tasks=task_list,
+        data_dir=data_dir if data_dir is not None else default_data_dir(),
+        limit=limit,
+        seq_len=seq_len,
+        stride=stride,
+        batch_size=batch_size if batch_size is not None else DEFAULT_BATCH_SIZE,
+        dtype=dtype or DEFAULT_DTYPE,
+        device=device or DEFAULT_DEVICE,
+        eval_data=eval_data,
+        out_dir=out,
+    )
+    render.err.print(render_table(report))
+    if out is not None:
+        render.log(f"report written to {out / 'report.json'} and {out / 'report.md'}")
+    else:
+        render.log("pass --out DIR to write report.json, report.md and the sparsity plots")
+    if json_out:
+        render.emit_json(report)
