@@ -1,0 +1,526 @@
+"""The runtime: routed prefill and decode over its own KV cache, and batched generation.
+
+``Runtime`` reads a model into backend-neutral ``ModelWeights`` (``runtime/backend.py`` rules:
+Hugging Face tensor names, per-layer sizes from the tensors), hands each layer to a backend, and
+runs the decoder itself: embeddings, RMSNorms, routers, RoPE, cache, residual adds and LM head in
+PyTorch; the routed work through the backend. No Hugging Face modeling code runs at inference.
+
+Routing (DESIGN.md §1, ``routing/layer.py``): the attention router reads the residual stream
+entering the layer, the FFN router the residual stream after the attention add; a group executes
+iff logit0 >= logit1. K/V are computed and cached for every token (B06). Padding tokens skip every
+group (their outputs are never visible) and are not counted in the measured sparsity (B09).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from wide_cli.runtime.backend import (
+    Backend,
+    LayerWeights,
+    ModelWeights,
+    get_backend,
+    weights_from_export,
+    weights_from_model,
+    weights_from_tensors,
+)
+from wide_cli.runtime.kv_cache import KVCache
+
+from wide_cli.runtime.sampling import Sampler, SamplingConfig, TextTracker
+
+MODULES = ("attention", "ffn")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face ``LlamaRMSNorm`` exactly: statistics in fp32, scale in the input dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [B, T, heads, d]``, ``cos/sin [B, T, d]`` -> rotated ``x`` (HF ``apply_rotary_pos_emb``)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + _rotate_half(x) * sin
+
+
+class SparsityStats:
+    """Measured sparsity of the runtime's own decisions: skipped / total (valid token, group)
+    decisions per layer and module, accumulated as device tensors (no sync per layer)."""
+
+    def __init__(self, num_layers: int, device: torch.device):
+        self.num_layers = num_layers
+        self.skipped = torch.zeros(num_layers, 2, dtype=torch.float64, device=device)
+        self.decisions = torch.zeros(num_layers, 2, dtype=torch.float64, device=device)
+
+    def reset(self) -> None:
+        self.skipped.zero_()
+        self.decisions.zero_()
+
+    def add(self, layer: int, module: str, execute: torch.Tensor, valid: torch.Tensor) -> None:
+        """execute ``[B, T, G]`` bool (already False on padding), valid ``[B, T]`` bool."""
+        m = MODULES.index(module)
+        n_valid = valid.sum()
+        self.decisions[layer, m] += n_valid * execute.shape[-1]
+        self.skipped[layer, m] += n_valid * execute.shape[-1] - execute.sum()
+
+    def summary(self) -> dict:
+        """``{attention, ffn, total, per_layer}`` like ``routing.SparsityCounter.summary``: per
+        module the mean over layers of the per-layer skip fraction; None where not routed."""
+        from wide_cli.routing.state import SparsityCounter
+
+        c = SparsityCounter(self.num_layers)
+        sk, de = self.skipped.tolist(), self.decisions.tolist()
+        for m, name in enumerate(MODULES):
+            c.skipped[name] = [row[m] for row in sk]
+            c.decisions[name] = [row[m] for row in de]
+        return c.summary()
+
+
+@dataclass
+class _LayerMeta:
+    """What the engine itself needs of a layer (the backend keeps the big weights)."""
+
+    index: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attn_group_size: int
+    ffn_group_size: int
+    attn_groups: int
+    ffn_groups: int
+    ln_attn: torch.Tensor
+    ln_ffn: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    routers: dict  # module -> (wc, bc, wr, br) fp32, or None
+    keeps: dict  # module -> [G] bool, or None
+    window: int | None
+
+
+@dataclass
+class GenerationResult:
+    """Outcome of ``Runtime.generate``.
+
+    Attributes:
+        texts: generated text per prompt (stop string excluded).
+        tokens: generated token ids per prompt (EOS / stop-string tokens included).
+        finish_reasons: per prompt ``eos``, ``stop`` or ``length``.
+        prompt_tokens: real (non-padding) prompt tokens, all prompts.
+        new_tokens: generated tokens counted until each row finished.
+        prefill_s, decode_s: wall time of the prompt forward and of the decode steps, seconds.
+        sparsity: measured sparsity of this run (``SparsityStats.summary``).
+    """
+
+    texts: list[str]
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float
+    decode_s: float
+    sparsity: dict = field(default_factory=dict)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second of decode time (the first token comes from the prefill)."""
+        steps = max(self.new_tokens - len(self.texts), 0)
+        return steps / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "texts": self.texts,
+            "tokens": self.tokens,
+            "finish_reasons": self.finish_reasons,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "sparsity": self.sparsity,
+        }
+
+
+class Runtime:
+    """A loaded model ready for routed prefill/decode on one backend.
+
+    Build with ``from_export`` (an export directory), ``from_model`` (an in-memory routed or
+    plain Hugging Face model) or ``from_tensors`` (HF-named tensors + config).
+
+    Args:
+        weights: the model in backend-neutral form.
+        backend: a backend instance or a name from ``BACKENDS``.
+        dtype: compute dtype (fp32 or bf16; fp16 on CPU is upcast, see ``resolve_dtype``).
+        tokenizer: for ``generate`` on strings (optional otherwise).
+        routing: False runs every group (the runtime's dense mode).
+
+    Attributes:
+        forced: ``{(layer, module): mask}`` decisions that replace the routers (tests, benchmarks):
+            a ``[G]`` bool mask for every token, or ``[B, S_max, G]`` bool indexed by cache slot.
+        stats: ``SparsityStats`` of every step since the last ``stats.reset()``.
+    """
+
+    def __init__(
+        self,
+        weights: ModelWeights,
+        backend: Backend | str = "cpu",
+        *,
+        dtype: torch.dtype | str | None = None,
+        tokenizer=None,
+        routing: bool = True,
+    ):
+        from wide_cli.models.loader import resolve_dtype
+
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        dev = self.backend.device
+        self.device = dev
+        self.dtype = resolve_dtype(dtype, dev)
+        self.tokenizer = tokenizer
+        self.routing = routing
+        self.forced: dict[tuple[int, str], torch.Tensor] = {}
+        self.eps = weights.rms_eps
+        self.eos_token_ids = tuple(weights.eos_token_ids)
+        self.vocab_size = weights.embed.shape[0]
+        self.embed = weights.embed.to(dev, self.dtype)
+        self.lm_head = self.embed if weights.tied else weights.lm_head.to(dev, self.dtype)
+        self.final_norm = weights.final_norm.to(dev, self.dtype)
+        self.inv_freq = weights.inv_freq.to(dev, torch.float32)
+        self.rope_scale = float(weights.rope_scale)
+        self.meta = [self._meta(lw) for lw in weights.layers]
+        self.layers = [self.backend.prepare_layer(lw, self.dtype) for lw in weights.layers]
+        self.stats = SparsityStats(len(self.layers), dev)
+        self.weight_bytes = _weight_bytes(weights, torch.finfo(self.dtype).bits // 8)
+
+    # ------------------------------------------------------------------------------------------
+    # construction
+
+    @classmethod
+    def from_export(cls, path, *, backend: Backend | str = "cpu", dtype=None, routing: bool = True,
+                    verify: bool = True, allow_extra: bool = False) -> "Runtime":
+        """Load an export directory (manifest verified first, strict tensor names; B14, B30).
+
+        Raises:
+            CheckpointError: missing/corrupt files, missing or unexpected tensors (listed),
+                shapes that do not fit together, an untied model without ``lm_head.weight``.
+        """
+        from wide_cli.models.loader import load_tokenizer
+
+        weights = weights_from_export(Path(path), verify=verify, allow_extra=allow_extra)
+        tok = load_tokenizer(path)
+        return cls(weights, backend, dtype=dtype, tokenizer=tok, routing=routing)
+
+    @classmethod
+    def from_model(cls, model, tokenizer=None, *, backend: Backend | str = "cpu", dtype=None,
+                   routing: bool | None = None) -> "Runtime":
+        """Read an in-memory Hugging Face model (routed by ``attach_routers`` or plain).
+
+        ``routing=None`` follows the model: routed unless it has no routers or its routing mode
+        is ``dense``. The dtype defaults to the model's.
+        """
+        weights, routed = weights_from_model(model)
+        if dtype is None:
+            dtype = next(model.parameters()).dtype
+        return cls(weights, backend, dtype=dtype, tokenizer=tokenizer, routing=routed if routing is None else routing)
+
+    @classmethod
+    def from_tensors(cls, config, tensors: dict, *, routers: dict | None = None, wide_config: dict | None = None,
+                     backend: Backend | str = "cpu", dtype=None, tokenizer=None, routing: bool = True,
+                     allow_extra: bool = False) -> "Runtime":
+        """Build from HF-named ``tensors`` and a HF ``config`` (e.g. a physically pruned layer, B05)."""
+        weights = weights_from_tensors(config, tensors, routers or {}, wide_config, allow_extra=allow_extra)
+        return cls(weights, backend, dtype=dtype, tokenizer=tokenizer, routing=routing)
+
+    def _meta(self, lw: LayerWeights) -> _LayerMeta:
+        dev = self.device
+
+        def r(rw):
+            if rw is None:
+                return None
+            return tuple(t.to(dev, torch.float32) for t in (rw.wc, rw.bc, rw.wr, rw.br))
+
+        def k(keep):
+            return None if keep is None else keep.to(dev, torch.bool)
+
+        return _LayerMeta(
+            index=lw.index, num_heads=lw.num_heads, num_kv_heads=lw.num_kv_heads, head_dim=lw.head_dim,
+            attn_group_size=lw.attn_group_size, ffn_group_size=lw.ffn_group_size,
+            attn_groups=lw.attn_groups, ffn_groups=lw.ffn_groups,
+            ln_attn=lw.ln_attn.to(dev, self.dtype), ln_ffn=lw.ln_ffn.to(dev, self.dtype),
+            q_norm=None if lw.q_norm is None else lw.q_norm.to(dev, self.dtype),
+            k_norm=None if lw.k_norm is None else lw.k_norm.to(dev, self.dtype),
+            routers={"attention": r(lw.router_attention), "ffn": r(lw.router_ffn)},
+            keeps={"attention": k(lw.keep_attention), "ffn": k(lw.keep_ffn)},
+            window=lw.window,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------
+    # the forward pass
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty cache for ``batch`` rows and ``max_len`` slots, one buffer pair per layer with
+        that layer's KV-head count (B06)."""
+        return KVCache(
+            batch, max_len, [m.num_kv_heads for m in self.meta], [m.head_dim for m in self.meta],
+            dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+
+    def _decide(self, m: _LayerMeta, module: str, x: torch.Tensor, valid: torch.Tensor, start: int):
+        """Execute decisions ``[B, T, G]`` bool (False on padding) or None (module runs dense)."""
+        if not self.routing:
+            return None
+        B, T, _ = x.shape
+        G = m.attn_groups if module == "attention" else m.ffn_groups
+        forced = self.forced.get((m.index, module))
+        if forced is not None:
+            f = forced.to(self.device, torch.bool)
+            ex = f.expand(B, T, G) if f.dim() == 1 else f[:, start : start + T]
+        elif m.routers[module] is not None:
+            wc, bc, wr, br = m.routers[module]
+            logits = F.linear(F.linear(x.float(), wc, bc), wr, br).view(B, T, G, 2)  # fp32, as trained
+            ex = logits[..., 0] >= logits[..., 1]
+        elif m.keeps[module] is not None:
+            ex = m.keeps[module].expand(B, T, G)
+        else:
+            return None
+        ex = ex & valid[:, :, None]
+        self.stats.add(m.index, module, ex, valid)
+        return ex
+
+    def _layer(self, i: int, x, valid, start, cos, sin, cache: KVCache):
+        m, p, be = self.meta[i], self.layers[i], self.backend
+        B, T, D = x.shape
+        M = B * T
+        H, Hkv, d = m.num_heads, m.num_kv_heads, m.head_dim
+        # --- attention: router on the residual stream entering the layer
+        ex = self._decide(m, "attention", x, valid, start)
+        mflat = None if ex is None else ex.reshape(M, -1)
+        h = rms_norm(x, m.ln_attn, self.eps).reshape(M, D)
+        q, k, v = be.attn_in(p, h, mflat)
+        q, k, v = q.reshape(B, T, H, d), k.reshape(B, T, Hkv, d), v.reshape(B, T, Hkv, d)
+        if m.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE (B16)
+            q, k = rms_norm(q, m.q_norm, self.eps), rms_norm(k, m.k_norm, self.eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(i, k, v, start)  # every token, whatever its routing (B06)
+        head_mask = None if ex is None else ex.repeat_interleave(m.attn_group_size, dim=-1)  # [B, T, H]
+        scale = d**-0.5
+        S = start + T
+        if T == 1:
+            o = be.attention_decode(
+                q[:, 0], cache.k[i], cache.v[i], None if head_mask is None else head_mask[:, 0],
+                cache.key_valid[:, :S], scale=scale, window=m.window,
+            )  # fmt: skip
+        else:
+            kk, vv = cache.view(i, S)
+            o = be.attention_prefill(
+                q, kk, vv, head_mask, key_valid=cache.key_valid[:, :S], q_offset=start, scale=scale, window=m.window
+            )
+        x = x + be.attn_out(p, o.reshape(M, H * d), mflat).view(B, T, D)
+        # --- FFN: router on the residual stream after the attention add
+        ex = self._decide(m, "ffn", x, valid, start)
+        h = rms_norm(x, m.ln_ffn, self.eps).reshape(M, D)
+        return x + be.mlp(p, h, None if ex is None else ex.reshape(M, -1)).view(B, T, D)
+
+    @torch.inference_mode()
+    def step(self, input_ids: torch.Tensor, valid: torch.Tensor | None, cache: KVCache, *,
+             logits: str = "last") -> torch.Tensor:
+        """Run a block of tokens through the model and append them to ``cache``.
+
+        Args:
+            input_ids: ``[B, T]`` int64 (T = 1 is a decode step).
+            valid: ``[B, T]`` bool, False for padding (left or right); None = all real.
+            cache: from ``new_cache``; positions continue from what it holds (B09).
+            logits: ``last`` -> ``[B, V]`` at each row's last real token of the block, ``all`` ->
+                ``[B, T, V]``, ``none`` -> None.
+
+        Returns:
+            fp32 logits.
+
+        Raises:
+            DataError: a token id outside the vocabulary (B23).
+        """
+        from wide_cli.models.loader import check_token_ids
+
+        input_ids = input_ids.to(self.device)
+        B, T = input_ids.shape
+        check_token_ids(input_ids, self.vocab_size)
+        valid = torch.ones(B, T, dtype=torch.bool, device=self.device) if valid is None else valid.to(self.device).bool()
+        start, positions = cache.append_slots(valid)
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, d/2], as HF computes it
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scale).to(self.dtype)
+        sin = (emb.sin() * self.rope_scale).to(self.dtype)
+        x = F.embedding(input_ids, self.embed)
+        for i in range(self.num_layers):
+            x = self._layer(i, x, valid, start, cos, sin, cache)
+        if logits == "none":
+            return None
+        if logits == "last":
+            ar = torch.arange(T, device=self.device)
+            last = torch.where(valid, ar, -1).max(dim=1).values
+            last = torch.where(last < 0, T - 1, last)
+            x = x[torch.arange(B, device=self.device), last][:, None]  # [B, 1, D]
+        x = rms_norm(x, self.final_norm, self.eps)
+        out = F.linear(x, self.lm_head).float()
+        return out[:, 0] if logits == "last" else out
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One full pass with a fresh cache: ``[B, T]`` -> logits ``[B, T, V]`` fp32."""
+        cache = self.new_cache(input_ids.shape[0], input_ids.shape[1])
+        return self.step(input_ids, attention_mask, cache, logits="all")
+
+    # ------------------------------------------------------------------------------------------
+    # generation
+
+    def _encode(self, prompts) -> list[list[int]]:
+        if all(isinstance(p, str) for p in prompts):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer; pass token ids or a tokenizer")
+            return [list(self.tokenizer(p).input_ids) for p in prompts]
+        return [list(map(int, p)) for p in prompts]
+
+    def _pad_id(self) -> int:
+        tok = self.tokenizer
+        for cand in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None), *self.eos_token_ids):
+            if cand is not None:
+                return int(cand)
+        return 0
+
+    def batch(self, prompts: list[list[int]], padding_side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
+        """Pad token-id lists into ``input_ids [B, T]`` and ``valid [B, T]`` (pad = pad/EOS id)."""
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side {padding_side!r} is not 'left' or 'right'")
+        T = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), T), self._pad_id(), dtype=torch.long)
+        valid = torch.zeros(len(prompts), T, dtype=torch.bool)
+        for b, p in enumerate(prompts):
+            sl = slice(T - len(p), T) if padding_side == "left" else slice(0, len(p))
+            ids[b, sl] = torch.tensor(p, dtype=torch.long)
+            valid[b, sl] = True
+        return ids, valid
+
+    def generate(
+        self,
+        prompts,
+        *,
+        max_new_tokens: int = 64,
+        sampling: SamplingConfig | None = None,
+        stop: tuple[str, ...] = (),
+        ignore_eos: bool = False,
+        padding_side: str = "left",
+        on_text: Callable[[int, str], None] | None = None,
+    ) -> GenerationResult:
+        """Generate continuations of a batch of prompts of any lengths.
+
+        Args:
+            prompts: strings (needs the tokenizer) or lists of token ids.
+            max_new_tokens: upper bound of generated tokens per prompt.
+            sampling: greedy by default.
+            stop: stop strings; the text is cut before the first one (needs the tokenizer).
+            ignore_eos: keep generating through EOS (benchmarks).
+            padding_side: ``left`` or ``right``; results do not depend on it (B09).
+            on_text: called as ``on_text(row, text_delta)`` while tokens stream in.
+        """
+        sampling = sampling or SamplingConfig()
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens {max_new_tokens} must be >= 1")
+        if not prompts:
+            raise ValueError("no prompts")
+        ids = self._encode(prompts)
+        if any(len(p) == 0 for p in ids):
+            raise ValueError("empty prompt (no tokens)")
+        input_ids, valid = self.batch(ids, padding_side)
+        B, T = input_ids.shape
+        cache = self.new_cache(B, T + max_new_tokens)
+        sampler = Sampler(sampling, self.device)
+        trackers = [TextTracker(self.tokenizer, tuple(stop)) if self.tokenizer is not None else None for _ in range(B)]
+        eos = set() if ignore_eos else set(self.eos_token_ids)
+        out_tokens: list[list[int]] = [[] for _ in range(B)]
+        reasons = ["length"] * B
+        finished = torch.zeros(B, dtype=torch.bool)
+        self.stats.reset()
+
+        t0 = time.perf_counter()
+        logits = self.step(input_ids, valid, cache)
+        t_prefill = time.perf_counter() - t0
+        pad = self._pad_id()
+        t1 = time.perf_counter()
+        for n in range(max_new_tokens):
+            nxt = sampler(logits).cpu()
+            for b in range(B):
+                if finished[b]:
+                    continue
+                tok = int(nxt[b])
+                out_tokens[b].append(tok)
+                if trackers[b] is not None:
+                    delta = trackers[b].push(tok) if tok not in eos else ""
+                    if delta and on_text is not None:
+                        on_text(b, delta)
+                if tok in eos:
+                    finished[b], reasons[b] = True, "eos"
+                elif trackers[b] is not None and trackers[b].stopped:
+                    finished[b], reasons[b] = True, "stop"
+            if bool(finished.all()) or n == max_new_tokens - 1:
+                break
+            step_ids = torch.where(finished, pad, nxt)[:, None]
+            logits = self.step(step_ids, ~finished[:, None], cache)  # finished rows ride along as padding
+        t_decode = time.perf_counter() - t1
+        texts = []
+        for b in range(B):
+            tr = trackers[b]
+            if tr is not None:
+                tail = tr.flush()
+                if tail and on_text is not None:
+                    on_text(b, tail)
+                texts.append(tr.text)
+            else:
+                texts.append("")
+        return GenerationResult(
+            texts=texts, tokens=out_tokens, finish_reasons=reasons, prompt_tokens=int(valid.sum()),
+            new_tokens=sum(len(t) for t in out_tokens), prefill_s=t_prefill, decode_s=t_decode,
+            sparsity=self.stats.summary(),
+        )  # fmt: skip
+
+
+def _weight_bytes(weights: ModelWeights, itemsize: int) -> dict:
+    """Weight bytes read per token, split by what routing can skip (for the ideal bound).
+
+    Returns ``{attention_routed, ffn_routed, dense}``: Q+O bytes, Gate+Up+Down bytes, and the
+    rest (K/V, norms, LM head; the embedding row gather is negligible and not counted).
+    """
+    att = ffn = dense = 0
+    for lw in weights.layers:
+        att += lw.wq.numel() + lw.wo.numel()
+        ffn += lw.w_gate.numel() + lw.w_up.numel() + lw.w_down.numel()
+        dense += lw.wk.numel() + lw.wv.numel() + lw.ln_attn.numel() + lw.ln_ffn.numel()
+    dense += weights.lm_head.numel() + weights.final_norm.numel()
+    return {"attention_routed": att * itemsize, "ffn_routed": ffn * itemsize, "dense": dense * itemsize}
+
+
+def ideal_speedup(weight_bytes: dict, sparsity: dict) -> float:
+    """Upper bound of the speedup over dense at the measured sparsity: routed operators scale
+    with ``1 - s`` of their module, everything else stays dense (DESIGN.md §3)."""
+    sa = sparsity.get("attention") or 0.0
+    sf = sparsity.get("ffn") or 0.0
+    full = weight_bytes["attention_routed"] + weight_bytes["ffn_routed"] + weight_bytes["dense"]
+    routed = weight_bytes["attention_routed"] * (1 - sa) + weight_bytes["ffn_routed"] * (1 - sf) + weight_bytes["dense"]
+    return full / routed if routed > 0 else float("inf")
