@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -12,20 +12,20 @@ from wide_cli.cli import options as o
 Targets = Annotated[list[str], typer.Argument(
     help="Models to compare, in order: export directories and/or model specs (alias, HF id, local dir, "
          ".gguf). The first dense one is the reference for '% of dense'.")]
-TasksOpt = Annotated[Optional[str], typer.Option(
+TasksOpt = Annotated[str | None, typer.Option(
     "--tasks", help="Comma-separated: wikitext, arc_easy, arc_challenge, piqa, hellaswag, boolq, winogrande, "
                     "openbookqa (default: all).")]
-DataDirOpt = Annotated[Optional[Path], typer.Option(
+DataDirOpt = Annotated[Path | None, typer.Option(
     "--data-dir", help="Directory with wikitext-2-raw/ and zeroshot/ (default: ../shared/data if present).")]
-LimitOpt = Annotated[Optional[int], typer.Option(
+LimitOpt = Annotated[int | None, typer.Option(
     "--limit", help="First N items per zero-shot task and first N WikiText pages (default: all).")]
-EvalSeqLenOpt = Annotated[Optional[int], typer.Option(
+EvalSeqLenOpt = Annotated[int | None, typer.Option(
     "--seq-len", help="Perplexity window in tokens (default: min(2048, model context)).")]
-StrideOpt = Annotated[Optional[int], typer.Option(
+StrideOpt = Annotated[int | None, typer.Option(
     "--stride", help="Perplexity stride < seq-len for sliding windows (default: non-overlapping).")]
-EvalBatchOpt = Annotated[Optional[int], typer.Option("--batch-size", help="Requests/windows per forward (default 4).")]
-EvalDataOpt = Annotated[Optional[Path], typer.Option("--eval-data", help="Any UTF-8 text file: token-level perplexity.")]
-ReportOutOpt = Annotated[Optional[Path], typer.Option(
+EvalBatchOpt = Annotated[int | None, typer.Option("--batch-size", help="Requests/windows per forward (default 4).")]
+EvalDataOpt = Annotated[Path | None, typer.Option("--eval-data", help="Any UTF-8 text file: token-level perplexity.")]
+ReportOutOpt = Annotated[Path | None, typer.Option(
     "--out", help="Write report.json, report.md and sparsity plots here (default: nothing written).")]
 
 DEFAULT_BATCH_SIZE = 4
