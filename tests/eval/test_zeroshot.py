@@ -167,3 +167,11 @@ def test_real_tasks_limit_deterministic(tiny, tok, data_dir):
     assert [i["line"] for i in a["items"]] == [1, 2, 3]
     for x, y in zip(a["items"], b["items"]):
         assert x["lls"] == pytest.approx(y["lls"], abs=1e-4)
+
+
+def test_gumbel_mode_is_evaluated_deterministically(routed, tok):
+    docs = [_doc("Question: why?\nAnswer:", ["because", "no reason at all"], 0)]
+    ref = score_docs(routed, tok, docs)
+    routed.wide_routing.set_mode("gumbel")
+    assert score_docs(routed, tok, docs) == ref
+    assert routed.wide_routing.mode == "gumbel"  # restored

@@ -19,12 +19,15 @@ real-token logits do not depend on the padding.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from wide_cli.errors import ConfigError, DataError
+
+logger = logging.getLogger("wide.eval")
 
 # lm-eval's default when neither the model config nor the tokenizer names a context length.
 DEFAULT_MAX_LENGTH = 2048
@@ -167,7 +170,9 @@ def measure_sparsity(model, meter: SparsityMeter | None = None):
     """Count routing decisions of every forward inside the block into a ``SparsityMeter``.
 
     Padding is excluded because every forward we make passes ``attention_mask``. For a dense
-    model the meter stays ``routed=False``.
+    model the meter stays ``routed=False``. A model left in ``gumbel`` (training) mode is switched
+    to deterministic ``argmax`` routing for the block, with a warning, and restored afterwards:
+    evaluation numbers must not depend on Gumbel noise.
     """
     meter = meter if meter is not None else SparsityMeter()
     state = routing_of(model)
@@ -176,11 +181,16 @@ def measure_sparsity(model, meter: SparsityMeter | None = None):
         return
     if state.counter is not None:
         raise RuntimeError("a sparsity counter is already running on this model")
+    prev_mode = state.mode
+    if prev_mode == "gumbel":
+        logger.warning("routing was in gumbel (training) mode; evaluating with argmax decisions")
+        state.set_mode("argmax")
     counter = state.start_counting()
     try:
         yield meter
     finally:
         state.stop_counting()
+        state.set_mode(prev_mode)
         meter.add_counter(counter)
 
 
