@@ -117,7 +117,7 @@ def test_b12_fp16_on_cpu_upcasts_once_and_bf16_runs(tmp_path, text_file):
 
 
 # ------------------------------------------------------------------ B25: every flag is used
-NOT_SETTINGS = {"model", "recipe", "run_dir", "out", "resume", "json_out"}
+NOT_SETTINGS = {"model", "recipe", "run_dir", "out", "resume", "json_out", "nproc"}
 
 SAMPLE = {
     "data": "x.txt", "eval_data": "y.txt", "heldout_fraction": 0.2, "max_train_tokens": 999,

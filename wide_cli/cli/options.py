@@ -13,6 +13,7 @@ RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", help="Recipe TOML 
 RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default runs/<model>).")]
 OutOpt = Annotated[Optional[Path], typer.Option("--out", help="Export directory (default <run-dir>/export).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout (logs go to stderr).")]
+NprocOpt = Annotated[int, typer.Option("--nproc", help="Data-parallel processes (re-runs itself under torchrun).")]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last checkpoint.")]
 
 # CLI option name (the Python parameter) -> (settings section, field).

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import contextlib
+
 from wide_cli.pipeline import stages
 from wide_cli.pipeline.rundir import RunDir, run_lock
 from wide_cli.pipeline.settings import Settings
@@ -44,31 +46,44 @@ class PruneResult:
 
 
 def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume: bool = False,
-          progress: bool = True, log=print) -> PruneResult:
+          progress: bool = True, log=print) -> PruneResult | None:
     """Run every stage on ``run_dir``; ``out`` defaults to ``<run_dir>/export``.
 
-    ``log(msg)`` receives one line per stage (the CLI sends it to stderr).
+    ``log(msg)`` receives one line per stage (the CLI sends it to stderr). Under torchrun every
+    rank trains; rank 0 alone calibrates, exports and evaluates, and only it returns a result.
     """
+    from wide_cli.train import distributed
+
     t0 = time.perf_counter()
     settings = stages.effective_settings(settings)
     run = RunDir(Path(run_dir))
     out = Path(out) if out else run.default_export
-    with run_lock(run):
+    info = distributed.init(settings.model.device)
+    if not info.is_main:  # rank 0 alone logs, checkpoints and exports
+        progress, log = False, (lambda msg: None)
+    with (run_lock(run) if info.is_main else _nolock()):
         loaded = stages.load_backbone(settings)
         log(f"[1/4] calibrate: model {settings.model.name}, data {settings.data.train}")
-        cal = stages.calibrate(settings, run, resume=resume, loaded=loaded)
-        log(f"      {cal.train_sequences} train / {cal.heldout_sequences} held-out sequences of "
-            f"{settings.train.seq_len} tokens ({cal.seconds:.1f} s)")
+        if info.is_main:
+            cal = stages.calibrate(settings, run, resume=resume, loaded=loaded)
+            log(f"      {cal.train_sequences} train / {cal.heldout_sequences} held-out sequences of "
+                f"{settings.train.seq_len} tokens ({cal.seconds:.1f} s)")
+        distributed.barrier()  # other ranks read the packed-data cache rank 0 wrote
         log(f"[2/4] train: method {settings.routing.method}, {settings.train.steps} steps x "
-            f"{settings.train.sequences_per_step} x {settings.train.seq_len} tokens")
+            f"{settings.train.sequences_per_step * info.world} x {settings.train.seq_len} tokens"
+            + (f" ({info.world} processes)" if info.enabled else ""))
         tr = stages.train(settings, run, resume=resume, loaded=loaded, progress=progress)
         train_info = tr.to_dict()
         if settings.stage2.enabled and settings.routing.method not in ("dense", "static-width"):
             from wide_cli.train.lora import train_stage2
 
+            distributed.barrier()
             log(f"[2b] stage 2 (LoRA r={settings.stage2.lora_rank}): {settings.stage2.steps} steps")
             t2 = train_stage2(settings, run, resume=resume, progress=progress)
             train_info["stage2"] = t2.to_dict()
+        distributed.barrier()
+        if not info.is_main:
+            return None
         log(f"[3/4] export -> {out}")
         stages.export(settings, run, out)
         log("[4/4] evaluate: dense vs pruned perplexity")
@@ -81,5 +96,11 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
         train=train_info,
         settings=settings.to_dict(),
         seconds=time.perf_counter() - t0,
-        calibration={"train_sequences": cal.train_sequences, "heldout_sequences": cal.heldout_sequences},
+        calibration={"train_sequences": cal.train_sequences, "heldout_sequences": cal.heldout_sequences,
+                     "seconds": round(cal.seconds, 1)},
     )
+
+
+@contextlib.contextmanager
+def _nolock():
+    yield

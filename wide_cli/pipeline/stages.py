@@ -237,8 +237,11 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
     from wide_cli.routing.model import router_state_dict
     from wide_cli.train.loop import TrainResult, train_stage
 
+    from wide_cli.train.distributed import dist_info
+
     loaded = loaded or load_backbone(settings)
-    record_run(run, settings.to_dict(), model_identity(loaded), resume=True)
+    if dist_info().is_main:
+        record_run(run, settings.to_dict(), model_identity(loaded), resume=True)
     model = loaded.model
     stats = _load_stats(run) if settings.routing.method == "static-width" or settings.run.router_init == "calibration" else None
     attach(settings, model, stats=stats)
@@ -250,12 +253,18 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
             init_routers_from_statistics(model, stats)
         for n, p in model.named_parameters():
             p.requires_grad_(".router_attention." in n or ".router_ffn." in n)
+        from wide_cli.train import distributed
+
         packed = _packed(settings, loaded.tokenizer, run)
+        info = distributed.dist_info()
         res = train_stage(
             model, packed.train, settings.train, stage_dir=run.stage1,
             identity=_identity(settings, loaded, stage="stage1"), resume=resume, progress=progress,
-            on_step=on_step,
+            on_step=on_step, rank=info.rank, world=info.world,
+            ddp_model=distributed.wrap(model, settings.model.device),
         )
+        if not info.is_main:
+            return res
     save_file(router_state_dict(model), str(run.stage1 / "routers.safetensors.tmp"))
     Path(run.stage1 / "routers.safetensors.tmp").replace(run.stage1 / "routers.safetensors")
     atomic_write_json(run.stage1 / "routers.json", {"routing": settings.routing.to_dict(), "train": res.to_dict()})

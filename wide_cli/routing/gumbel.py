@@ -9,19 +9,31 @@ import torch
 import torch.nn.functional as F
 
 
-def hard_gumbel_execute(logits: torch.Tensor, tau: float, generator: torch.Generator | None = None) -> torch.Tensor:
+def hard_gumbel_execute(
+    logits: torch.Tensor,
+    tau: float,
+    generator: torch.Generator | None = None,
+    *,
+    world: int = 1,
+    rank: int = 0,
+) -> torch.Tensor:
     """Sample execute decisions with a hard Gumbel-softmax and straight-through gradients.
 
     Args:
-        logits: ``[..., G, 2]`` float, logit 0 = execute, logit 1 = skip.
+        logits: ``[B, ..., G, 2]`` float, logit 0 = execute, logit 1 = skip.
         tau: temperature (> 0).
         generator: optional RNG for the Gumbel noise.
+        world, rank: data-parallel layout. Noise is drawn for the global batch ``[world*B, ...]``
+            from a generator seeded alike on every rank, and rank ``r`` uses rows ``[r*B, (r+1)*B)``,
+            so W processes with batch B draw exactly the noise of one process with batch W*B.
 
     Returns:
         ``[..., G]`` same dtype as ``logits``; forward values exactly 0.0 or 1.0 (1 = execute),
         gradient of the soft sample ``softmax((logits + g) / tau)[..., 0]``.
     """
-    u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
+    b = logits.shape[0]
+    u = torch.rand((world * b, *logits.shape[1:]), generator=generator, device=logits.device, dtype=logits.dtype)
+    u = u[rank * b : (rank + 1) * b]
     exp_noise = (-torch.log(u.clamp_min(1e-20))).clamp_min(1e-20)  # Exp(1) samples
     gumbels = -torch.log(exp_noise)
     soft = F.softmax((logits + gumbels) / tau, dim=-1)

@@ -101,6 +101,7 @@ class RoutingState:
         self.counter: SparsityCounter | None = None
         self.trace: list | None = None
         self.generator: torch.Generator | None = None
+        self.world, self.rank = 1, 0  # data-parallel layout for the Gumbel noise
 
     @property
     def active_modules(self) -> tuple[str, ...]:
@@ -160,7 +161,7 @@ class RoutingState:
                 return None
             logits = router(hidden)  # [B, T, G, 2] fp32
             if self.mode == "gumbel":
-                ex = hard_gumbel_execute(logits, self.tau, self.generator)
+                ex = hard_gumbel_execute(logits, self.tau, self.generator, world=self.world, rank=self.rank)
             else:
                 ex = argmax_execute(logits).to(torch.float32)
         valid = self._valid_for(hidden)
@@ -173,8 +174,19 @@ class RoutingState:
         return ex
 
     def measured_s_hat(self) -> dict[str, torch.Tensor]:
-        """Differentiable skip fraction per module from this forward's records: mean over layers."""
+        """Differentiable skip fraction per module from this forward's records: mean over layers.
+
+        Under data parallelism (``world > 1``) the fractions are averaged over ranks with a
+        differentiable all-reduce, so the sparsity term sees the global batch.
+        """
         by_mod: dict[str, list[torch.Tensor]] = {}
         for _, m, frac in self.records:
             by_mod.setdefault(m, []).append(frac)
-        return {m: torch.stack(v).mean() for m, v in by_mod.items()}
+        out = {m: torch.stack(v).mean() for m, v in by_mod.items()}
+        if self.world > 1 and out:
+            import torch.distributed.nn.functional as dist_fn
+
+            names = sorted(out)
+            summed = dist_fn.all_reduce(torch.stack([out[m] for m in names]))
+            out = {m: summed[i] / self.world for i, m in enumerate(names)}
+        return out

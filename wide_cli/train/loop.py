@@ -166,7 +166,7 @@ def train_stage(
         raise RuntimeError("no trainable parameters")
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = _lr_scheduler(optimizer, cfg)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed + 17 + rank)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + 17)  # same on every rank
     torch.manual_seed(cfg.seed + rank)
     start, elapsed, history, resumed_from = 0, 0.0, [], None
     if resume and (stage_dir / CHECKPOINT / "state.json").is_file():
@@ -176,6 +176,7 @@ def train_stage(
         gen.set_state(rng["gumbel"][rank] if isinstance(rng["gumbel"], list) else rng["gumbel"])
         torch.set_rng_state(rng["torch"])
     state.generator = gen
+    state.world, state.rank = world, rank
     model.train()
     state.set_mode("gumbel")
     autocast = (
@@ -269,6 +270,7 @@ def train_stage(
         raise
     finally:
         state.set_mode("argmax")
+        state.world, state.rank = 1, 0
         model.eval()
     bar.close()
     result = TrainResult(cfg.steps, cfg.steps * cfg.tokens_per_step * world, elapsed, history[-1] if history else {}, history, resumed_from)

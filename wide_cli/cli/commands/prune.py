@@ -44,11 +44,24 @@ def prune_cmd(
     run_dir: o.RunDirOpt = None,
     out: o.OutOpt = None,
     resume: o.ResumeOpt = False,
+    nproc: o.NprocOpt = 1,
     json_out: o.JsonOpt = False,
 ):
     """Prune MODEL end to end: calibrate, train routers, export, evaluate dense vs pruned."""
     flags = {k: v for k, v in locals().items() if k in o.FLAG_FIELDS}
     settings = o.resolve_settings(model, recipe, flags)
+    if nproc > 1:
+        import os
+        import sys
+
+        import typer
+
+        from wide_cli.train.distributed import relaunch_with_torchrun
+
+        if "WORLD_SIZE" not in os.environ:
+            argv = sys.argv[1:]
+            i = argv.index("--nproc")
+            raise typer.Exit(relaunch_with_torchrun(nproc, argv[:i] + argv[i + 2 :]))
 
     from wide_cli.cli import render
     from wide_cli.cli.setup import quiet_libraries
@@ -56,7 +69,10 @@ def prune_cmd(
 
     quiet_libraries()
     rd = run_dir or o.default_run_dir(settings)
-    res = prune(settings, rd, out, resume=resume, progress=True, log=render.log).to_dict()
+    result = prune(settings, rd, out, resume=resume, progress=True, log=render.log)
+    if result is None:  # a non-zero rank under torchrun: rank 0 reports
+        return
+    res = result.to_dict()
     render.err.print(render.prune_summary(res))
     if json_out:
         render.emit_json(res)
