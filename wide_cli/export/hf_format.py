@@ -1,0 +1,270 @@
+"""The ``hf`` export format: a directory that plain ``transformers`` loads with
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``, no ``wide`` needed.
+
+Layout (besides README.md, wide_config.json and manifest.json, written by ``writer.py``):
+
+- ``config.json``: the base config with ``model_type: wide_<base>``, ``architectures:
+  [Wide<Base>ForCausalLM]``, ``auto_map`` to the shipped code, ``wide_routing`` (routing settings
+  and group layout) and, for static width, per-layer sizes ``wide_layer_heads`` (kept query-head
+  indices) and ``wide_layer_intermediate_sizes``.
+- ``configuration_wide.py``, ``modeling_wide.py``: generated from the package's routing code
+  (``modeling_template.py``).
+- ``model.safetensors`` (sharded with ``model.safetensors.index.json`` when large): backbone with
+  Hugging Face names plus the routers ``model.layers.{i}.router_{attention,ffn}.{compressor,
+  router}.{weight,bias}`` (fp32), in one set of weight files.
+- tokenizer files and ``generation_config.json``.
+
+Static width is exported physically smaller: the removed query heads' ``q_proj`` rows (and bias)
+and ``o_proj`` columns, and the removed channels' ``gate_proj`` / ``up_proj`` rows and
+``down_proj`` columns are gone. K/V projections are never narrowed (removing a head group never
+removes a KV head), so the KV cache keeps its shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from wide_cli.export.atomic import atomic_write_json
+from wide_cli.export.modeling_template import (
+    ARCH_PREFIX,
+    CONFIGURATION_FILE,
+    MODELING_FILE,
+    render_configuration,
+    render_modeling,
+)
+
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+# ----------------------------------------------------------------------------- pure functions
+def static_keep_masks(model) -> dict[tuple[int, str], torch.Tensor]:
+    """``{(layer, module): [G] bool}`` keep masks of a static-width routed model (True = kept);
+    a module without a router keeps every group."""
+    from wide_cli.routing.model import decoder_layers
+
+    state = model.wide_routing
+    out = {}
+    for i, layer in enumerate(decoder_layers(model)):
+        for module in ("attention", "ffn"):
+            r = getattr(layer, f"router_{module}", None)
+            g = state.groups(module)
+            out[(i, module)] = r.keep.detach().cpu().bool() if r is not None else torch.ones(g, dtype=torch.bool)
+    return out
+
+
+def compact_static(
+    tensors: dict[str, torch.Tensor],
+    keep: dict[tuple[int, str], torch.Tensor],
+    *,
+    num_layers: int,
+    head_dim: int,
+    attn_group_size: int,
+    ffn_group_size: int,
+) -> tuple[dict[str, torch.Tensor], list[list[int]], list[int]]:
+    """Physically remove the dropped query heads and FFN channels of a static-width model.
+
+    Args:
+        tensors: backbone tensors with HF names (``q_proj.weight [H*d, D]``, ``o_proj.weight
+            [D, H*d]``, ``gate_proj``/``up_proj.weight [F, D]``, ``down_proj.weight [D, F]``,
+            optional biases); not modified.
+        keep: ``{(layer, 'attention'): [G_a] bool, (layer, 'ffn'): [G_f] bool}``, True = kept.
+        head_dim: d; attn_group_size: query heads per group; ffn_group_size: channels per group.
+
+    Returns:
+        ``(tensors, kept_heads, intermediate_sizes)``: new tensors (k/v, norms and everything
+        else unchanged), per layer the sorted original indices of the kept query heads, and per
+        layer the number of kept FFN channels.
+    """
+    out = dict(tensors)
+    kept_heads, inter = [], []
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        heads = keep[(i, "attention")].repeat_interleave(attn_group_size)  # [H] bool
+        q_rows = heads.repeat_interleave(head_dim).nonzero().flatten()  # kept rows of [H*d]
+        chans = keep[(i, "ffn")].repeat_interleave(ffn_group_size).nonzero().flatten()  # kept of [F]
+        for name in ("q_proj.weight", "q_proj.bias"):
+            if p + "self_attn." + name in out:
+                out[p + "self_attn." + name] = out[p + "self_attn." + name].index_select(0, q_rows).contiguous()
+        out[p + "self_attn.o_proj.weight"] = out[p + "self_attn.o_proj.weight"].index_select(1, q_rows).contiguous()
+        for name in ("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias"):
+            if p + "mlp." + name in out:
+                out[p + "mlp." + name] = out[p + "mlp." + name].index_select(0, chans).contiguous()
+        out[p + "mlp.down_proj.weight"] = out[p + "mlp.down_proj.weight"].index_select(1, chans).contiguous()
+        kept_heads.append(heads.nonzero().flatten().tolist())
+        inter.append(int(chans.numel()))
+    return out, kept_heads, inter
+
+
+def hf_config_dict(config, routing: dict, layout: dict, *, kept_heads=None, intermediate_sizes=None) -> dict:
+    """``config.json`` of an hf export: the base config plus ``auto_map`` and the wide fields.
+
+    Args:
+        config: the base model's ``PretrainedConfig`` (head_dim, rope settings, ... kept as is).
+        routing: ``RoutingConfig.to_dict()``; layout: the ``GroupLayout`` fields.
+        kept_heads / intermediate_sizes: per-layer sizes of a physically narrowed static export.
+    """
+    mt = config.model_type
+    prefix = ARCH_PREFIX[mt]
+    d = config.to_dict()
+    d.update(
+        architectures=[f"Wide{prefix}ForCausalLM"],
+        model_type=f"wide_{mt}",
+        auto_map={
+            "AutoConfig": f"configuration_wide.Wide{prefix}Config",
+            "AutoModelForCausalLM": f"modeling_wide.Wide{prefix}ForCausalLM",
+        },
+        wide_routing={"routing": dict(routing), "layout": dict(layout)},
+    )
+    if kept_heads is not None:
+        d["wide_layer_heads"] = [list(map(int, h)) for h in kept_heads]
+        d["wide_layer_intermediate_sizes"] = [int(n) for n in intermediate_sizes]
+    return d
+
+
+def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors with no two sharing storage (safetensors refuses aliases, B13)."""
+    seen, out = set(), {}
+    for k, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        ptr = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else None
+        if ptr is not None and ptr in seen:
+            t = t.clone()
+        elif ptr is not None:
+            seen.add(ptr)
+        out[k] = t
+    return out
+
+
+def save_weights(tensors: dict[str, torch.Tensor], dest: Path, *, max_shard_size: str, metadata: dict) -> list[str]:
+    """Write ``model.safetensors`` (or shards + ``model.safetensors.index.json``) to ``dest``.
+
+    Returns the written file names.
+    """
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    names = []
+    for fname, keys in split.filename_to_tensors.items():
+        save_file({k: tensors[k] for k in keys}, str(dest / fname), metadata={"format": "pt", **metadata})
+        names.append(fname)
+    if split.is_sharded:
+        atomic_write_json(dest / WEIGHTS_INDEX, {"metadata": {**split.metadata}, "weight_map": split.tensor_to_filename})
+        names.append(WEIGHTS_INDEX)
+    return names
+
+
+# ----------------------------------------------------------------------------- writer
+def write_hf(model, tokenizer, dest: Path, *, export_id: str, max_shard_size: str = "2GB") -> dict:
+    """Write the hf-format files of a routed model (``model.wide_routing`` set) into ``dest``
+    (the writer's temp directory; README, wide_config and manifest are added by the caller).
+
+    Returns a summary for ``wide_config.json``: ``{"static": {kept_heads, intermediate_sizes}}``
+    for static width, else ``{}``.
+    """
+    from wide_cli.export.writer import backbone_state_dict
+    from wide_cli.routing.model import router_state_dict
+
+    state = model.wide_routing
+    cfg, layout = state.cfg, state.layout
+    base = model.config
+    backbone = backbone_state_dict(model)
+    if getattr(base, "tie_word_embeddings", False):
+        backbone.pop("lm_head.weight", None)  # transformers re-ties it from embed_tokens (B13, B14)
+    info: dict = {}
+    kept_heads = inter = None
+    if cfg.method == "static-width":
+        backbone, kept_heads, inter = compact_static(
+            backbone,
+            static_keep_masks(model),
+            num_layers=state.shape.num_layers,
+            head_dim=state.shape.head_dim,
+            attn_group_size=layout.attn_group_size,
+            ffn_group_size=layout.ffn_group_size,
+        )
+        tensors = backbone
+        info["static"] = {"kept_heads": kept_heads, "intermediate_sizes": inter}
+    else:
+        tensors = {**backbone, **router_state_dict(model)}
+    tensors = _unshare(tensors)
+    dest = Path(dest)
+    config = hf_config_dict(
+        base, cfg.to_dict(), dataclasses.asdict(layout), kept_heads=kept_heads, intermediate_sizes=inter
+    )
+    atomic_write_json(dest / "config.json", config)
+    (dest / MODELING_FILE).write_text(render_modeling(base.model_type))
+    (dest / CONFIGURATION_FILE).write_text(render_configuration(base.model_type))
+    save_weights(tensors, dest, max_shard_size=max_shard_size, metadata={"wide_export_id": export_id})
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    return info
+
+
+# ----------------------------------------------------------------------------- loader
+def is_hf_export(path) -> bool:
+    """True when ``path`` holds an hf-format export (``config.json`` with an ``auto_map`` to
+    ``modeling_wide``)."""
+    p = Path(path) / "config.json"
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return False
+    return "modeling_wide" in json.dumps(cfg.get("auto_map", {}))
+
+
+def load_hf_export(path, *, dtype: torch.dtype = torch.float32, device="cpu", verify: bool = True):
+    """Load an hf-format export with transformers' remote code (as a user without wide would),
+    after checking its manifest.
+
+    Returns a ``PrunedModel`` (model in eval mode; routing in its default mode, ``argmax``).
+
+    Raises:
+        CheckpointError: missing/corrupt files (named), a manifest of another export, missing or
+            mismatched tensors, or a tokenizer that cannot be loaded.
+    """
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from wide_cli.errors import CheckpointError
+    from wide_cli.export.loader import PrunedModel, read_wide_config
+    from wide_cli.export.manifest import verify_manifest
+    from wide_cli.models.loader import load_tokenizer
+
+    path = Path(path)
+    wcfg = read_wide_config(path)
+    if verify:
+        manifest = verify_manifest(path)
+        if manifest.get("export_id") != wcfg.get("export_id"):
+            raise CheckpointError(
+                f"{path / 'manifest.json'} belongs to another export "
+                f"({manifest.get('export_id')} != {wcfg.get('export_id')})",
+                "re-run `wide export`",
+            )
+    try:
+        tokenizer = load_tokenizer(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot load the tokenizer of {path}: {e}", "re-run `wide export`") from None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, trust_remote_code=True, local_files_only=True, output_loading_info=True
+            )
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"cannot load the weights of {path}: {e}", "re-run `wide export`") from None
+    bad = {k: sorted(map(str, info.get(k) or [])) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if any(bad.values()):
+        raise CheckpointError(
+            f"weights of {path} do not match its config.json: missing {bad['missing_keys'][:5]}, "
+            f"unexpected {bad['unexpected_keys'][:5]}, mismatched {bad['mismatched_keys'][:5]}",
+            "the export is corrupt or was edited; re-run `wide export`",
+        )
+    return PrunedModel(model.to(device).eval(), tokenizer, wcfg, path)
