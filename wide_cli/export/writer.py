@@ -1,8 +1,10 @@
 """Write a deployable export directory (DESIGN.md §2).
 
-Layout: ``config.json`` and tokenizer files (the base model's), ``model.safetensors`` (backbone,
-Hugging Face names, LoRA merged; sharded with an index when large), ``routers.safetensors``,
-``wide_config.json``, ``manifest.json``. Written into a temp directory and renamed into place.
+Layout (``wide`` format): ``config.json`` and tokenizer files (the base model's),
+``model.safetensors`` (backbone, Hugging Face names, LoRA merged; sharded with an index when
+large), ``routers.safetensors``, ``wide_config.json``, ``README.md`` (model card),
+``manifest.json``. The ``hf`` format (``hf_format.py``) loads in plain transformers with
+``trust_remote_code``. Written into a temp directory and renamed into place.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ import torch
 from safetensors.torch import save_file
 
 from wide_cli import __version__
-from wide_cli.errors import CheckpointError
+from wide_cli.errors import CheckpointError, ConfigError
 from wide_cli.export.atomic import atomic_directory, atomic_write_json
 from wide_cli.export.manifest import write_manifest
+from wide_cli.export.model_card import write_model_card
 from wide_cli.routing.model import router_state_dict
 
 FORMAT_VERSION = 1
 WIDE_CONFIG = "wide_config.json"
 ROUTERS_FILE = "routers.safetensors"
+EXPORT_FORMATS = ("wide", "hf")
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ def export_model(
     *,
     wide_config: dict,
     max_shard_size: str = "2GB",
+    export_format: str = "wide",
 ) -> ExportResult:
     """Export a routed model (LoRA already merged) to ``out_dir``, atomically.
 
@@ -81,19 +86,28 @@ def export_model(
     check_finite(backbone, "backbone")
     export_id = uuid.uuid4().hex
     with atomic_directory(Path(out_dir)) as tmp:
-        model.save_pretrained(tmp, state_dict=backbone, max_shard_size=max_shard_size)
-        tokenizer.save_pretrained(tmp)
-        if routers:
-            save_file(routers, str(tmp / ROUTERS_FILE), metadata={"format": "pt", "wide_export_id": export_id})
+        extra = {}
+        if export_format == "hf":
+            from wide_cli.export.hf_format import write_hf
+
+            extra = write_hf(model, tokenizer, tmp, export_id=export_id, max_shard_size=max_shard_size)
+        else:
+            model.save_pretrained(tmp, state_dict=backbone, max_shard_size=max_shard_size)
+            tokenizer.save_pretrained(tmp)
+            if routers:
+                save_file(routers, str(tmp / ROUTERS_FILE), metadata={"format": "pt", "wide_export_id": export_id})
         cfg = {
             "format": "wide",
             "format_version": FORMAT_VERSION,
+            "export_format": export_format,
             "wide_version": __version__,
             "export_id": export_id,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            **extra,
             **wide_config,
         }
         atomic_write_json(tmp / WIDE_CONFIG, cfg)
+        write_model_card(tmp, cfg, export_format=export_format, name=Path(out_dir).name)
         manifest = write_manifest(tmp, export_id=export_id)
     files = sorted(manifest["files"]) + ["manifest.json"]
     total = sum(v["size"] for v in manifest["files"].values())
