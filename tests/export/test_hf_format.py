@@ -1,0 +1,299 @@
+"""``wide export --format hf``: loads in plain transformers (remote code generated from our routing
+code), gives the reference routed model's logits, works in ``pipeline`` and lm-eval's ``HFLM``,
+loads where ``wide`` is not importable, and static width is physically smaller."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from wide_cli.export import export_model, load_pruned
+from wide_cli.export.hf_format import compact_static, load_hf_export
+from wide_cli.export.modeling_template import (
+    ARCH_PREFIX,
+    CONSTANTS,
+    COPIED,
+    render_modeling,
+    shipped_definitions,
+)
+from wide_cli.models.tiny import char_tokenizer, tiny_model
+from wide_cli.routing import RoutingConfig, attach_routers
+
+IDS = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+ATOL = 1e-5  # fp32; the routed forward is the same code, so routed exports are in fact bit-equal
+
+
+def _routed(kind="llama", cfg=None, **over):
+    model = tiny_model(kind, **over)
+    cfg = cfg or RoutingConfig(attn_group_size=2, ffn_group_size=32)
+    attach_routers(model, cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".router_" in n and n.endswith("bias"):
+                p.normal_(0, 1.0)  # routers that actually skip
+    return model, cfg
+
+
+def _export(model, cfg, out, fmt):
+    wc = {"method": cfg.method, "routing": cfg.to_dict(),
+          "measured_sparsity": {"attention": 0.25, "ffn": 0.5, "total": 0.375, "tokens": 24,
+                                "per_layer": {"attention": [0.0, 0.5], "ffn": [0.5, 0.5]}},
+          "source_model": {"spec": "tiny-llama"}}
+    return export_model(model, char_tokenizer(), out, wide_config=wc, export_format=fmt)
+
+
+def _auto_load(path, **kw):
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, output_loading_info=True, **kw)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- generated code
+@pytest.mark.parametrize("model_type", list(ARCH_PREFIX))
+def test_shipped_routing_code_is_verbatim_package_code(model_type):
+    text = render_modeling(model_type)
+    shipped = shipped_definitions(text)
+    for mod, name in COPIED:
+        obj = getattr(__import__(mod, fromlist=[name]), name)
+        assert shipped[name] == inspect.getsource(obj), f"{mod}.{name} drifted from the shipped copy"
+    for mod, name in CONSTANTS:
+        assert f"{name} = {getattr(__import__(mod, fromlist=[name]), name)!r}" in text
+    # The generated classes use the copied forward, not a re-implementation.
+    assert f"class Wide{ARCH_PREFIX[model_type]}DecoderLayer" in text and "forward = routed_layer_forward" in text
+    assert "wide_cli" not in "".join(line for line in text.splitlines(True) if line.startswith(("import", "from")))
+
+
+def test_exported_file_is_the_generated_one(tmp_path):
+    model, cfg = _routed()
+    _export(model, cfg, tmp_path / "hf_gen", "hf")
+    assert (tmp_path / "hf_gen" / "modeling_wide.py").read_text() == render_modeling("llama")
+
+
+# ----------------------------------------------------------------------------- round trip
+@pytest.mark.parametrize(
+    "kind,over",
+    [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("qwen2", {}), ("qwen3", {"head_dim": 32}),
+     ("mistral", {})],
+)
+def test_hf_export_logits_equal_wide_loader(tmp_path, kind, over):
+    model, cfg = _routed(kind, **over)
+    _export(model, cfg, tmp_path / f"wide_{kind}", "wide")
+    res = _export(model, cfg, tmp_path / f"hf_{kind}", "hf")
+    ref = load_pruned(tmp_path / f"wide_{kind}").model
+    got = _auto_load(res.path)
+    with torch.no_grad():
+        a, b = ref(IDS).logits, got(IDS).logits
+    assert (a - b).abs().max().item() <= ATOL
+    assert type(got).__name__ == f"Wide{ARCH_PREFIX[kind]}ForCausalLM"
+    # routing actually happens: some groups skip on this input
+    got.wide_routing.trace = []
+    with torch.no_grad():
+        got(IDS)
+    trace = got.wide_routing.trace
+    assert len(trace) == 2 * 2 and any(not ex.all() for _, _, ex in trace)
+    if over.get("tie_word_embeddings"):
+        assert got.lm_head.weight.data_ptr() == got.model.embed_tokens.weight.data_ptr()
+
+
+def test_hf_export_files_config_and_router_tensors(tmp_path):
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128, "rope_theta": 500000.0}
+    model, cfg = _routed("llama", head_dim=32, max_position_embeddings=1024, rope_parameters=rope)
+    res = _export(model, cfg, tmp_path / "hf_files", "hf")
+    out = res.path
+    names = set(json.loads((out / "manifest.json").read_text())["files"])
+    assert {"config.json", "model.safetensors", "modeling_wide.py", "configuration_wide.py", "README.md",
+            "wide_config.json", "tokenizer.json"} <= names
+    assert "routers.safetensors" not in names
+    c = json.loads((out / "config.json").read_text())
+    assert c["model_type"] == "wide_llama" and c["architectures"] == ["WideLlamaForCausalLM"]
+    assert c["auto_map"]["AutoModelForCausalLM"] == "modeling_wide.WideLlamaForCausalLM"
+    assert c["head_dim"] == 32  # B03
+    saved = c.get("rope_parameters") or c.get("rope_scaling")
+    assert all(saved[k] == v for k, v in rope.items())  # B26
+    assert c["wide_routing"]["layout"]["attn_groups"] == 2 and c["wide_routing"]["routing"]["ffn_group_size"] == 32
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("model.layers.1.router_ffn.router.weight").dtype == torch.float32
+    for i in range(2):
+        for m in ("attention", "ffn"):
+            for p in ("compressor", "router"):
+                assert {f"model.layers.{i}.router_{m}.{p}.weight", f"model.layers.{i}.router_{m}.{p}.bias"} <= keys
+    assert json.loads((out / "wide_config.json").read_text())["export_format"] == "hf"
+
+
+@pytest.mark.parametrize("method", ["dynamic-depth", "dense"])
+def test_hf_export_other_methods(tmp_path, method):
+    model, cfg = _routed(cfg=RoutingConfig(method=method, attn_group_size=2, ffn_group_size=32))
+    with torch.no_grad():
+        ref = model(IDS).logits
+    got = _auto_load(_export(model, cfg, tmp_path / f"hf_{method}", "hf").path)
+    with torch.no_grad():
+        assert (got(IDS).logits - ref).abs().max().item() <= ATOL
+
+
+def test_hf_export_bf16_keeps_routers_fp32(tmp_path):
+    model, cfg = _routed()
+    got = _auto_load(_export(model, cfg, tmp_path / "hf_bf16", "hf").path, dtype=torch.bfloat16)
+    assert got.model.layers[0].router_attention.router.weight.dtype == torch.float32
+    assert got.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.isfinite(got(IDS).logits).all()
+
+
+def test_load_hf_export_verifies_manifest(tmp_path):
+    from wide_cli.errors import CheckpointError
+
+    model, cfg = _routed()
+    out = _export(model, cfg, tmp_path / "hf_verify", "hf").path
+    pm = load_hf_export(out)
+    with torch.no_grad():
+        assert (pm.model(IDS).logits - model(IDS).logits).abs().max().item() <= ATOL
+    p = out / "modeling_wide.py"
+    p.write_text(p.read_text() + "\n# edited\n")
+    with pytest.raises(CheckpointError, match="modeling_wide.py has .* bytes"):
+        load_hf_export(out)
+
+
+# ----------------------------------------------------------------------------- consumers
+def test_text_generation_pipeline(tmp_path):
+    from transformers import pipeline
+
+    model, cfg = _routed()
+    out = _export(model, cfg, tmp_path / "hf_pipe", "hf").path
+    gen = pipeline("text-generation", model=str(out), trust_remote_code=True, device="cpu")
+    text = gen("The fox", max_new_tokens=8, do_sample=False, return_full_text=False)[0]["generated_text"]
+    tok = char_tokenizer()
+    ids = tok("The fox", return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=2)
+    assert text == tok.decode(want[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_lm_eval_hflm_loads_hf_export(tmp_path):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    model, cfg = _routed()
+    out = _export(model, cfg, tmp_path / "hf_lmeval", "hf").path
+    lm = HFLM(pretrained=str(out), trust_remote_code=True, batch_size=2, device="cpu", max_length=64)
+    assert type(lm.model).__name__ == "WideLlamaForCausalLM"
+    ref = HFLM(pretrained=model, tokenizer=char_tokenizer(), batch_size=2, max_length=64)
+    reqs = [Instance("loglikelihood", {}, (c, x), i) for i, (c, x) in
+            enumerate([("The quick brown", " fox"), ("Hello", " world!"), ("a", "bc")])]
+    got = lm.loglikelihood(reqs, disable_tqdm=True)
+    want = ref.loglikelihood(reqs, disable_tqdm=True)
+    assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-5)
+
+
+def test_loads_where_wide_is_not_importable(tmp_path):
+    """A python that cannot import wide_cli (no repo on sys.path, no editable-install hook) loads
+    the export and prints the same logits."""
+    model, cfg = _routed("qwen3", head_dim=32)
+    out = _export(model, cfg, tmp_path / "hf_nowide", "hf").path
+    site = sysconfig.get_paths()["purelib"]
+    code = textwrap.dedent(f"""
+        import sys, json
+        sys.path[:] = [p for p in sys.path if 'site-packages' not in p] + [{site!r}]
+        try:
+            import wide_cli
+        except ImportError:
+            pass
+        else:
+            raise SystemExit('wide_cli is importable: the test is not isolated')
+        import torch
+        from transformers import AutoModelForCausalLM
+        m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
+        ids = torch.tensor({IDS.tolist()!r})
+        with torch.no_grad():
+            print(json.dumps(m(ids).logits.tolist()))
+        assert 'wide_cli' not in sys.modules
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"), OMP_NUM_THREADS="1")
+    # -I: no PYTHONPATH, no cwd / script dir, no user site; -S: no .pth files (the editable
+    # install of wide is a .pth import hook), site-packages is added back by hand above.
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = torch.tensor(json.loads(r.stdout.strip().splitlines()[-1]))
+    with torch.no_grad():
+        ref = load_pruned(_export(model, cfg, tmp_path / "wide_nowide", "wide").path).model(IDS).logits
+    assert (got - ref).abs().max().item() <= ATOL
+
+
+# ----------------------------------------------------------------------------- static width
+KEEP_ATT = {0: [True, False, False, True], 1: [False, True, True, True], 2: [False, False, False, False]}
+KEEP_FFN = {0: [True, False, True, False], 1: [False, False, False, True], 2: [True, True, True, True]}
+
+
+def _static(kind="llama", **over):
+    model = tiny_model(kind, num_hidden_layers=3, **over)
+    keep = {}
+    for i in range(3):
+        keep[(i, "attention")] = torch.tensor(KEEP_ATT[i])
+        keep[(i, "ffn")] = torch.tensor(KEEP_FFN[i])
+    cfg = RoutingConfig(method="static-width", attn_group_size=1, ffn_group_size=32)
+    attach_routers(model, cfg, static_keep=keep)
+    return model, cfg
+
+
+@pytest.mark.parametrize("kind,over", [("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 32})])
+def test_static_width_hf_is_physically_smaller_and_matches_masked_model(tmp_path, kind, over):
+    model, cfg = _static(kind, **over)
+    with torch.no_grad():
+        ref = model(IDS).logits
+        ref_gen = model.generate(IDS[:1, :5], max_new_tokens=6, do_sample=False, pad_token_id=2)
+    wide = _export(model, cfg, tmp_path / f"static_wide_{kind}", "wide").path
+    hf = _export(model, cfg, tmp_path / f"static_hf_{kind}", "hf").path
+    c = json.loads((hf / "config.json").read_text())
+    assert c["wide_layer_heads"] == [[0, 3], [1, 2, 3], []]
+    assert c["wide_layer_intermediate_sizes"] == [64, 32, 128]
+    got = _auto_load(hf)
+    with torch.no_grad():
+        diff = (got(IDS).logits - ref).abs().max().item()
+        gen = got.generate(IDS[:1, :5], max_new_tokens=6, do_sample=False, pad_token_id=2)
+    assert diff <= ATOL
+    assert torch.equal(gen, ref_gen)  # decode with the KV cache, per-layer widths
+    d = 32 if kind == "qwen3" else 16
+    with safe_open(str(hf / "model.safetensors"), "pt") as f:
+        assert tuple(f.get_tensor("model.layers.0.self_attn.q_proj.weight").shape) == (2 * d, 64)
+        assert tuple(f.get_tensor("model.layers.0.self_attn.o_proj.weight").shape) == (64, 2 * d)
+        assert tuple(f.get_tensor("model.layers.1.mlp.down_proj.weight").shape) == (64, 32)
+        assert tuple(f.get_tensor("model.layers.2.self_attn.q_proj.weight").shape) == (0, 64)
+        for i in range(3):  # KV heads are never removed
+            assert tuple(f.get_tensor(f"model.layers.{i}.self_attn.k_proj.weight").shape) == (2 * d, 64)
+            assert tuple(f.get_tensor(f"model.layers.{i}.self_attn.v_proj.weight").shape) == (2 * d, 64)
+        if kind == "qwen2":
+            assert tuple(f.get_tensor("model.layers.1.self_attn.q_proj.bias").shape) == (3 * d,)
+        if kind == "qwen3":
+            assert tuple(f.get_tensor("model.layers.0.self_attn.q_norm.weight").shape) == (d,)
+        assert not any(".router_" in k for k in f.keys())
+    assert (hf / "model.safetensors").stat().st_size < 0.8 * (wide / "model.safetensors").stat().st_size
+
+
+def test_compact_static_keeps_kv_and_drops_only_removed_rows():
+    t = {"model.layers.0.self_attn.q_proj.weight": torch.arange(8.0).repeat_interleave(2).view(8, 2),
+         "model.layers.0.self_attn.o_proj.weight": torch.arange(8.0).repeat(3, 1),
+         "model.layers.0.self_attn.k_proj.weight": torch.ones(4, 2),
+         "model.layers.0.mlp.gate_proj.weight": torch.arange(4.0).view(4, 1),
+         "model.layers.0.mlp.up_proj.weight": torch.arange(4.0).view(4, 1),
+         "model.layers.0.mlp.down_proj.weight": torch.arange(4.0).view(1, 4)}
+    keep = {(0, "attention"): torch.tensor([False, True]), (0, "ffn"): torch.tensor([True, False])}
+    out, heads, inter = compact_static(t, keep, num_layers=1, head_dim=2, attn_group_size=2, ffn_group_size=2)
+    assert heads == [[2, 3]] and inter == [2]
+    assert out["model.layers.0.self_attn.q_proj.weight"][:, 0].tolist() == [4, 5, 6, 7]
+    assert out["model.layers.0.self_attn.o_proj.weight"][0].tolist() == [4, 5, 6, 7]
+    assert out["model.layers.0.mlp.down_proj.weight"].tolist() == [[0, 1]]
+    assert out["model.layers.0.self_attn.k_proj.weight"] is t["model.layers.0.self_attn.k_proj.weight"]
