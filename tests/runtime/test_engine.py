@@ -157,6 +157,7 @@ def test_batch_equals_each_prompt_alone(padding_side, backend):
     cache = rt.new_cache(2, ids.shape[1])
     rt.stats.reset()
     lb = rt.step(ids, mask, cache)
+    rt.stats.flush()
     dec = rt.stats.decisions.sum().item()
     for b, p in enumerate(prompts):
         la = rt.step(torch.tensor([p]), None, rt.new_cache(1, len(p)))

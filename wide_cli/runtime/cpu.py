@@ -60,6 +60,35 @@ def _runs(active: list[bool]) -> list[tuple[int, int]]:
     return runs
 
 
+def _plan(mask: torch.Tensor | None) -> tuple[str, list[tuple[int, int]], bool]:
+    """Analyse a group mask ``[M, G]`` once: ``(state, runs, uniform)``.
+
+    state: ``dense`` (None, or every token executes every group), ``none`` (nothing executes) or
+    ``sparse``. For ``M <= SMALL_M``: runs = runs of groups that any token executes, uniform =
+    every token has the same mask; the mask is read with one ``tolist`` (cheaper than several
+    small tensor ops on the decode path). For larger M only the state is computed.
+    """
+    if mask is None:
+        return "dense", [], True
+    M, G = mask.shape
+    if M > SMALL_M:
+        n = int(mask.sum())
+        return ("dense" if n == M * G else "none" if n == 0 else "sparse"), [], False
+    rows = mask.tolist()
+    first = rows[0]
+    if M == 1:
+        any_g, uniform = first, True
+    else:
+        any_g = [any(col) for col in zip(*rows)]
+        uniform = all(r == first for r in rows)
+    n = sum(any_g)
+    if n == 0:
+        return "none", [], True
+    if uniform and n == G:
+        return "dense", [], True
+    return "sparse", _runs(any_g), uniform
+
+
 def _mask_state(mask: torch.Tensor | None) -> str:
     """'dense' (None or all execute), 'none' (nothing executes) or 'sparse'."""
     if mask is None:
@@ -74,9 +103,9 @@ def _mask_state(mask: torch.Tensor | None) -> str:
 # routed GEMMs on a prepared layout (the backend's hot path)
 
 
-def gemm_mn_rows(a: torch.Tensor, w: torch.Tensor, mask, group_size: int, bias=None) -> torch.Tensor:
+def gemm_mn_rows(a: torch.Tensor, w: torch.Tensor, mask, group_size: int, bias=None, plan=None) -> torch.Tensor:
     """``ops.gemm_mn`` where ``w [N, K]`` has contiguous row groups (HF layout or a row view)."""
-    state = _mask_state(mask)
+    state, runs, uniform = plan or _plan(mask)
     if state == "dense":
         return F.linear(a, w, bias)
     M, N = a.shape[0], w.shape[0]
@@ -85,8 +114,7 @@ def gemm_mn_rows(a: torch.Tensor, w: torch.Tensor, mask, group_size: int, bias=N
         return out
     g = group_size
     if M <= SMALL_M:
-        uniform = M == 1 or bool((mask == mask[:1]).all())
-        for s, e in _runs(mask.any(dim=0).tolist()):
+        for s, e in runs:
             out[:, s * g : e * g] = F.linear(a, w[s * g : e * g], None if bias is None else bias[s * g : e * g])
         if not uniform:
             out.mul_(ops.expand_mask(mask, g).to(out.dtype))
@@ -105,9 +133,9 @@ def gemm_mn_rows(a: torch.Tensor, w: torch.Tensor, mask, group_size: int, bias=N
     return out
 
 
-def gemm_k_rows(a: torch.Tensor, w_t: torch.Tensor, mask, group_size: int, bias=None) -> torch.Tensor:
+def gemm_k_rows(a: torch.Tensor, w_t: torch.Tensor, mask, group_size: int, bias=None, plan=None) -> torch.Tensor:
     """``ops.gemm_k`` with the weight given transposed: ``w_t [K, N]`` (contiguous row groups)."""
-    state = _mask_state(mask)
+    state, runs, uniform = plan or _plan(mask)
     M, N = a.shape[0], w_t.shape[1]
     if state == "dense":
         out = a @ w_t
@@ -117,10 +145,9 @@ def gemm_k_rows(a: torch.Tensor, w_t: torch.Tensor, mask, group_size: int, bias=
         return out
     g = group_size
     if M <= SMALL_M:
-        uniform = M == 1 or bool((mask == mask[:1]).all())
         if not uniform:
             a = a * ops.expand_mask(mask, g).to(a.dtype)
-        for s, e in _runs(mask.any(dim=0).tolist()):
+        for s, e in runs:
             out.addmm_(a[:, s * g : e * g], w_t[s * g : e * g])
         return out
     order, counts = ops.group_token_lists(mask)
@@ -142,7 +169,7 @@ def _swiglu(gu: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def ffn_grouped(
-    x: torch.Tensor, w_gu: torch.Tensor, w_down_t: torch.Tensor, mask, group_size: int
+    x: torch.Tensor, w_gu: torch.Tensor, w_down_t: torch.Tensor, mask, group_size: int, plan=None
 ) -> torch.Tensor:
     """Routed SwiGLU FFN on the grouped layout.
 
@@ -155,7 +182,7 @@ def ffn_grouped(
     G, g2, D = w_gu.shape
     g = g2 // 2
     M = x.shape[0]
-    state = _mask_state(mask)
+    state, runs, uniform = plan or _plan(mask)
     if state == "dense":
         h = _swiglu((x @ w_gu.view(-1, D).t()).view(M, G, g2), g)
         return h.reshape(M, G * g) @ w_down_t
@@ -163,12 +190,27 @@ def ffn_grouped(
     if state == "none":
         return out
     if M <= SMALL_M:
-        uniform = M == 1 or bool((mask == mask[:1]).all())
-        for s, e in _runs(mask.any(dim=0).tolist()):
-            h = _swiglu((x @ w_gu[s:e].view(-1, D).t()).view(M, e - s, g2), g)  # [M, e-s, g]
-            if not uniform:
-                h = h * mask[:, s:e, None].to(h.dtype)
-            out.addmm_(h.reshape(M, -1), w_down_t[s * g : e * g])
+        # Union runs. Gate/up of all runs land in one buffer (transposed, [rows, M], so that each
+        # run's GEMM writes a contiguous block), one SwiGLU over it, then one addmm per run.
+        nact = sum(e - s for s, e in runs)
+        xt = x.t()
+        gu = torch.empty(nact * g2, M, dtype=x.dtype, device=x.device)
+        off = 0
+        for s, e in runs:
+            n = (e - s) * g2
+            torch.mm(w_gu[s:e].view(n, D), xt, out=gu[off : off + n])
+            off += n
+        gu = gu.view(nact, 2, g, M)
+        h = F.silu(gu[:, 0]) * gu[:, 1]  # [nact, g, M]
+        if not uniform:
+            idx = torch.tensor([j for s, e in runs for j in range(s, e)], device=x.device)
+            h.mul_(mask.index_select(1, idx).t()[:, None, :].to(h.dtype))
+        h = h.view(nact * g, M)
+        off = 0
+        for s, e in runs:
+            n = (e - s) * g
+            out.addmm_(h[off : off + n].t(), w_down_t[s * g : e * g])
+            off += n
         return out
     order, counts = ops.group_token_lists(mask)
     for j, n in enumerate(counts.tolist()):
@@ -308,7 +350,7 @@ def attention_decode(q, k_cache, v_cache, head_mask, key_valid, *, scale, window
     if need_mask:
         vis = ops.key_visibility(B, 1, S, S - 1, key_valid, window, q.device)[:, None]  # [B,1,1,S]
     qt = q[:, :, None, :]  # [B, H, 1, d]
-    state = _mask_state(head_mask)
+    state, runs, uniform = _plan(head_mask)
     if state == "dense":
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=vis, scale=scale, enable_gqa=hpk > 1)[:, :, 0]
         if need_mask:
@@ -317,12 +359,14 @@ def attention_decode(q, k_cache, v_cache, head_mask, key_valid, *, scale, window
     out = torch.zeros(B, H, d, dtype=q.dtype, device=q.device)
     if state == "none":
         return out
-    for h0, h1 in _runs(head_mask.any(dim=0).tolist()):
+    if B > SMALL_M:
+        runs, uniform = _runs(head_mask.any(dim=0).tolist()), False
+    for h0, h1 in runs:
         o = _sdpa_heads(qt[:, h0:h1], kt, vt, h0, h1, hpk, vis, scale)
         out[:, h0:h1] = o[:, :, 0]
     if need_mask:
         out = torch.where(vis[:, 0, 0].any(-1)[:, None, None], out, torch.zeros((), dtype=out.dtype))
-    if B > 1:
+    if not uniform:
         out.mul_(head_mask[..., None].to(out.dtype))
     return out
 
@@ -385,7 +429,8 @@ class CpuBackend:
 
     def attn_in(self, p: _CpuLayer, x, mask):
         nq = p.q_rows
-        if _mask_state(mask) == "dense":
+        plan = _plan(mask)
+        if plan[0] == "dense":
             qkv = F.linear(x, p.wqkv, p.bqkv)
             kv = qkv[:, nq:]
             nkv = kv.shape[1] // 2
@@ -394,7 +439,7 @@ class CpuBackend:
         if p.bqkv is not None:
             bq, bkv = p.bqkv[:nq], p.bqkv[nq:]
         kv = F.linear(x, p.wqkv[nq:], bkv)  # dense: every token's K/V (B06)
-        q = gemm_mn_rows(x, p.wqkv[:nq], mask, p.attn_cols, bq)
+        q = gemm_mn_rows(x, p.wqkv[:nq], mask, p.attn_cols, bq, plan)
         nkv = kv.shape[1] // 2
         return q, kv[:, :nkv], kv[:, nkv:]
 
