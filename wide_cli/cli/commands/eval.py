@@ -9,7 +9,7 @@ import typer
 
 from wide_cli.cli import options as o
 
-Targets = Annotated[list[str], typer.Argument(
+Targets = Annotated[list[str] | None, typer.Argument(
     help="Models to compare, in order: export directories and/or model specs (alias, HF id, local dir, "
          ".gguf). The first dense one is the reference for '% of dense'.")]
 TasksOpt = Annotated[str | None, typer.Option(
@@ -40,7 +40,9 @@ def default_data_dir() -> Path | None:
 
 
 def eval_cmd(
-    targets: Targets,
+    targets: Targets = None,
+    run_dir: Annotated[Path | None, typer.Option(
+        "--run-dir", help="Evaluate a run's stage (dense vs its export, on the run's eval data) instead of TARGETs.")] = None,
     tasks: TasksOpt = None,
     data_dir: DataDirOpt = None,
     limit: LimitOpt = None,
@@ -61,6 +63,12 @@ def eval_cmd(
     from wide_cli.eval.report import render_table
 
     quiet_libraries()
+    if run_dir is not None:
+        return _eval_run(run_dir, json_out)
+    if not targets:
+        from wide_cli.errors import ConfigError
+
+        raise ConfigError("no TARGET given", "pass models/exports to compare, or --run-dir RUN for a run's eval stage")
     task_list = list(run.DEFAULT_TASKS) if tasks is None else [t.strip() for t in tasks.split(",") if t.strip()]
     report = run.evaluate_targets(
         targets,
@@ -80,5 +88,25 @@ def eval_cmd(
         render.log(f"report written to {out / 'report.json'} and {out / 'report.md'}")
     else:
         render.log("pass --out DIR to write report.json, report.md and the sparsity plots")
+    if json_out:
+        render.emit_json(report)
+
+
+def _eval_run(run_dir: Path, json_out: bool) -> None:
+    """Stage 4/4 of a run: dense vs pruned token-level perplexity and measured sparsity."""
+    from wide_cli.cli import render
+    from wide_cli.cli.commands.stages import _settings_for_run
+    from wide_cli.pipeline import stages
+    from wide_cli.pipeline.rundir import run_lock
+
+    run, settings = _settings_for_run(run_dir, None, {})
+    export_dir = run.default_export if (run.default_export / "manifest.json").is_file() else None
+    with run_lock(run):
+        report = stages.evaluate(settings, run, export_dir)
+    render.log(
+        f"perplexity dense {report['dense']['perplexity']:.2f} -> pruned {report['pruned']['perplexity']:.2f} "
+        f"({report['unit']}, {report['protocol']}); measured sparsity {report['sparsity']['total']:.3f}; "
+        f"report in {run.eval / 'report.json'}"
+    )
     if json_out:
         render.emit_json(report)
