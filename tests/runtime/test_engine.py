@@ -74,10 +74,10 @@ def test_cpu_matches_reference_prefill_and_decode(case, kind, ags, prompts_ids):
 # runtime == HF routed model, per architecture (B15 Qwen2 biases, B16 Qwen3 q/k norms)
 
 ARCHS = {
-    "llama": dict(),
-    "mistral-window": dict(sliding_window=4),
-    "qwen2": dict(),  # q/k/v biases, non-zero (tiny_model randomizes biases)
-    "qwen3": dict(head_dim=32),  # q width 128 != hidden 64, per-head q_norm/k_norm
+    "llama": {},
+    "mistral-window": {"sliding_window": 4},
+    "qwen2": {},  # q/k/v biases, non-zero (tiny_model randomizes biases)
+    "qwen3": {"head_dim": 32},  # q width 128 != hidden 64, per-head q_norm/k_norm
 }
 
 

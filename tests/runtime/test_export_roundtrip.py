@@ -38,7 +38,7 @@ def test_export_roundtrip_matches_load_pruned(tmp_path, tied):
         from safetensors import safe_open
 
         with safe_open(str(tmp_path / "exp" / "model.safetensors"), "pt") as f:
-            assert "lm_head.weight" not in f.keys()
+            assert "lm_head.weight" not in f.keys()  # noqa: SIM118 -- safe_open is not a dict
     pm = load_pruned(tmp_path / "exp", smoke_check=False)
     ids = torch.tensor([[40, 41, 50, 60, 70, 33, 34]])
     with torch.no_grad():

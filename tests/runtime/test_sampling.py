@@ -29,7 +29,7 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
     assert torch.equal(Sampler(SamplingConfig())(logits), logits.argmax(-1))
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5)])
+@pytest.mark.parametrize("kw", [{"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}])
 def test_bad_sampling_settings(kw):
     with pytest.raises(ConfigError):
         SamplingConfig(**kw)

@@ -248,7 +248,7 @@ class RoutingInfo:
     ffn_group_size: int | None = None
 
     @classmethod
-    def from_wide_config(cls, wc: dict | None) -> "RoutingInfo":
+    def from_wide_config(cls, wc: dict | None) -> RoutingInfo:
         if not wc:
             return cls()
         routing = wc.get("routing") or {}
@@ -394,15 +394,17 @@ def weights_from_tensors(
     n_layers = int(config.num_hidden_layers)
     for i in range(n_layers):
         pre = f"model.layers.{i}."
-        g = lambda n, req=True: pool.get(pre + n, req)  # noqa: E731
-        lw = dict(
-            wq=g("self_attn.q_proj.weight"), wk=g("self_attn.k_proj.weight"), wv=g("self_attn.v_proj.weight"),
-            wo=g("self_attn.o_proj.weight"), bq=g("self_attn.q_proj.bias", False), bk=g("self_attn.k_proj.bias", False),
-            bv=g("self_attn.v_proj.bias", False), bo=g("self_attn.o_proj.bias", False),
-            q_norm=g("self_attn.q_norm.weight", False), k_norm=g("self_attn.k_norm.weight", False),
-            w_gate=g("mlp.gate_proj.weight"), w_up=g("mlp.up_proj.weight"), w_down=g("mlp.down_proj.weight"),
-            ln_attn=g("input_layernorm.weight"), ln_ffn=g("post_attention_layernorm.weight"),
-        )  # fmt: skip
+        def g(n, req=True, pre=pre):
+            return pool.get(pre + n, req)
+
+        lw = {
+            "wq": g("self_attn.q_proj.weight"), "wk": g("self_attn.k_proj.weight"), "wv": g("self_attn.v_proj.weight"),
+            "wo": g("self_attn.o_proj.weight"), "bq": g("self_attn.q_proj.bias", False), "bk": g("self_attn.k_proj.bias", False),
+            "bv": g("self_attn.v_proj.bias", False), "bo": g("self_attn.o_proj.bias", False),
+            "q_norm": g("self_attn.q_norm.weight", False), "k_norm": g("self_attn.k_norm.weight", False),
+            "w_gate": g("mlp.gate_proj.weight"), "w_up": g("mlp.up_proj.weight"), "w_down": g("mlp.down_proj.weight"),
+            "ln_attn": g("input_layernorm.weight"), "ln_ffn": g("post_attention_layernorm.weight"),
+        }  # fmt: skip
         for b in ("gate", "up", "down"):
             if g(f"mlp.{b}_proj.bias", False) is not None:
                 raise ConfigError(f"layer {i}: mlp.{b}_proj.bias (mlp_bias) is not supported by the runtime")
@@ -549,7 +551,7 @@ def read_safetensors(path) -> dict[str, torch.Tensor]:
             raise _ckpt_error(f"weight shard {f} is missing")
         try:
             out.update(load_file(str(f)))
-        except Exception as e:  # safetensors raises its own error types
+        except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
             raise _ckpt_error(f"{f} is unreadable ({e})") from None
     return out
 
@@ -589,7 +591,7 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
             raise _ckpt_error(f"{rpath} is missing", "re-run `wide export`")
         try:
             routers = load_file(str(rpath))
-        except Exception as e:  # safetensors raises its own error types
+        except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
             raise _ckpt_error(f"{rpath} is unreadable ({e})") from None
     extra_eos = None
     gen = path / "generation_config.json"

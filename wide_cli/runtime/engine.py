@@ -14,9 +14,9 @@ group (their outputs are never visible) and are not counted in the measured spar
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,6 @@ from wide_cli.runtime.backend import (
     weights_from_tensors,
 )
 from wide_cli.runtime.kv_cache import KVCache
-
 from wide_cli.runtime.sampling import Sampler, SamplingConfig, TextTracker
 
 MODULES = ("attention", "ffn")
@@ -260,7 +259,7 @@ class Runtime:
 
     @classmethod
     def from_export(cls, path, *, backend: Backend | str = "cpu", dtype=None, routing: bool = True,
-                    verify: bool = True, allow_extra: bool = False) -> "Runtime":
+                    verify: bool = True, allow_extra: bool = False) -> Runtime:
         """Load an export directory (manifest verified first, strict tensor names; B14, B30).
 
         Raises:
@@ -275,7 +274,7 @@ class Runtime:
 
     @classmethod
     def from_model(cls, model, tokenizer=None, *, backend: Backend | str = "cpu", dtype=None,
-                   routing: bool | None = None) -> "Runtime":
+                   routing: bool | None = None) -> Runtime:
         """Read an in-memory Hugging Face model (routed by ``attach_routers`` or plain).
 
         ``routing=None`` follows the model: routed unless it has no routers or its routing mode
@@ -289,7 +288,7 @@ class Runtime:
     @classmethod
     def from_tensors(cls, config, tensors: dict, *, routers: dict | None = None, wide_config: dict | None = None,
                      backend: Backend | str = "cpu", dtype=None, tokenizer=None, routing: bool = True,
-                     allow_extra: bool = False) -> "Runtime":
+                     allow_extra: bool = False) -> Runtime:
         """Build from HF-named ``tensors`` and a HF ``config`` (e.g. a physically pruned layer, B05)."""
         weights = weights_from_tensors(config, tensors, routers or {}, wide_config, allow_extra=allow_extra)
         return cls(weights, backend, dtype=dtype, tokenizer=tokenizer, routing=routing)
@@ -334,7 +333,7 @@ class Runtime:
             dtype=self.dtype, device=self.device,
         )  # fmt: skip
 
-    def _decide(self, m: _LayerMeta, module: str, x: torch.Tensor, ctx: "_Step"):
+    def _decide(self, m: _LayerMeta, module: str, x: torch.Tensor, ctx: _Step):
         """Execute decisions ``[B, T, G]`` bool (False on padding) or None (module runs dense)."""
         if not self.routing:
             return None
@@ -360,7 +359,7 @@ class Runtime:
         self.stats.add(m.index, module, ex, ctx.n_valid)
         return ex
 
-    def _layer(self, i: int, x: torch.Tensor, ctx: "_Step", cache: KVCache) -> torch.Tensor:
+    def _layer(self, i: int, x: torch.Tensor, ctx: _Step, cache: KVCache) -> torch.Tensor:
         m, p, be = self.meta[i], self.layers[i], self.backend
         B, T, D = x.shape
         M = B * T

@@ -260,7 +260,7 @@ def attention_prefill(
         executing (token, head) pairs; exact zeros for skipped pairs and for queries that see no
         valid key (padding queries).
     """
-    B, T, H, d = q.shape
+    B, T, H, _ = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     assert H % Hkv == 0, f"{H} query heads vs {Hkv} KV heads"
     assert S >= q_offset + T, f"{S} key slots < q_offset {q_offset} + {T} queries"
@@ -300,7 +300,7 @@ def attention_decode(
     Returns:
         ``[B, H, d]``, dtype of ``q``; exact zeros for skipped (row, head) pairs.
     """
-    B, H, d = q.shape
+    B, H, _ = q.shape
     Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
     S = key_valid.shape[1]
     assert S <= S_max and H % Hkv == 0

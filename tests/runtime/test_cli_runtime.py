@@ -1,0 +1,110 @@
+"""`wide generate` and `wide bench` on a tiny export: every flag reaches the library (B25)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.runtime.conftest import routed_model
+from tests.runtime.test_export_roundtrip import _export
+from wide_cli.cli.app import app
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rt") / "exp"
+    _export(routed_model("llama"), path)
+    return path
+
+
+def _run(args):
+    r = CliRunner().invoke(app, args, catch_exceptions=False)
+    return r
+
+
+def _gen_json(exp, *extra):
+    r = _run(["generate", str(exp), "-p", "hello", "--threads", "1", "--json", *extra])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_generate_streams_text_and_reports_stats(tiny_export):
+    r = _run(["generate", str(tiny_export), "-p", "hello", "--max-new-tokens", "6", "--ignore-eos", "--threads", "1"])
+    assert r.exit_code == 0
+    assert "tok/s" in r.stderr and "measured sparsity" in r.stderr and "tok/s" not in r.stdout
+    doc = _gen_json(tiny_export, "--max-new-tokens", "6", "--ignore-eos")
+    assert r.stdout.strip() == doc["texts"][0].strip()
+
+
+def test_generate_flags_take_effect(tiny_export):
+    base = _gen_json(tiny_export, "--max-new-tokens", "8", "--ignore-eos")
+    assert len(base["tokens"][0]) == 8 and base["routing"] and base["backend"] == "cpu"
+    assert len(_gen_json(tiny_export, "--max-new-tokens", "3", "--ignore-eos")["tokens"][0]) == 3
+    ref = _gen_json(tiny_export, "--max-new-tokens", "8", "--ignore-eos", "--backend", "reference")
+    assert ref["backend"] == "reference" and ref["tokens"] == base["tokens"]
+    dense = _gen_json(tiny_export, "--max-new-tokens", "8", "--ignore-eos", "--no-routing")
+    assert dense["sparsity"]["total"] == 0.0 and base["sparsity"]["total"] > 0.0
+    s1 = _gen_json(tiny_export, "--max-new-tokens", "8", "--ignore-eos", "--temperature", "2.0", "--seed", "1")
+    s1b = _gen_json(tiny_export, "--max-new-tokens", "8", "--ignore-eos", "--temperature", "2.0", "--seed", "1")
+    s2 = _gen_json(tiny_export, "--max-new-tokens", "8", "--ignore-eos", "--temperature", "2.0", "--seed", "2")
+    assert s1["tokens"] == s1b["tokens"] and s1["tokens"] != s2["tokens"]
+    tp = _gen_json(tiny_export, "--max-new-tokens", "8", "--ignore-eos", "--temperature", "2.0", "--seed", "1", "--top-p", "0.000001")
+    assert tp["tokens"] == base["tokens"]  # a tiny nucleus leaves the argmax token only
+    assert _gen_json(tiny_export, "--dtype", "bf16", "--max-new-tokens", "2")["dtype"] == "bfloat16"
+    stop = base["texts"][0][2:4]
+    st = _gen_json(tiny_export, "--max-new-tokens", "8", "--ignore-eos", "--stop", stop)
+    assert st["finish_reasons"] == ["stop"] and stop not in st["texts"][0]
+    two = _run(["generate", str(tiny_export), "-p", "ab", "-p", "cde", "--max-new-tokens", "2", "--threads", "1"])
+    assert two.exit_code == 0 and "[0]" in two.stdout and "[1]" in two.stdout
+
+
+def test_generate_errors_are_one_line(tiny_export, tmp_path):
+    from wide_cli.cli.app import main
+
+    assert main(["generate", str(tmp_path / "nope"), "-p", "x"]) == 2
+    assert main(["generate", str(tiny_export), "-p", "x", "--top-p", "0"]) == 2
+    assert main(["generate", str(tiny_export), "-p", "x", "--backend", "tpu"]) == 2
+
+
+def test_bench_flags_reach_the_config(tiny_export, monkeypatch):
+    from wide_cli.runtime import bench
+
+    seen = {}
+
+    def fake(path, cfg, log=None):
+        seen["cfg"] = cfg
+        return bench.BenchReport(str(path), cfg, [], {"dtype": "float32", "threads": 1}, {}, [])
+
+    monkeypatch.setattr(bench, "run_bench", fake)
+    args = ["bench", str(tiny_export), "--prefill-lengths", "5,7", "--decode-batches", "3", "--new-tokens", "4",
+            "--decode-prompt-len", "6", "--repeats", "2", "--warmup", "0", "--systems", "dense,cpu",
+            "--dense-backend", "reference", "--dtype", "bf16", "--threads", "1", "--forced-sparsity", "0.25",
+            "--seed", "9", "--json"]  # fmt: skip
+    r = _run(args)
+    assert r.exit_code == 0, r.output
+    cfg = seen["cfg"]
+    assert (cfg.prefill_lengths, cfg.decode_batches, cfg.new_tokens, cfg.decode_prompt_len) == ((5, 7), (3,), 4, 6)
+    assert (cfg.repeats, cfg.warmup, cfg.systems, cfg.dense_backend) == (2, 0, ("dense", "cpu"), "reference")
+    assert (cfg.dtype, cfg.threads, cfg.forced_sparsity, cfg.seed) == ("bf16", 1, 0.25, 9)
+    r = _run(["bench", str(tiny_export), "--quick", "--new-tokens", "3", "--json"])
+    assert seen["cfg"].prefill_lengths == (32, 128) and seen["cfg"].new_tokens == 3
+
+
+def test_bench_quick_real_run(tiny_export, tmp_path):
+    out = tmp_path / "b.json"
+    r = _run(["bench", str(tiny_export), "--prefill-lengths", "9", "--decode-batches", "1,2", "--new-tokens", "3",
+              "--decode-prompt-len", "4", "--repeats", "1", "--warmup", "0", "--threads", "1", "--json-out", str(out)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    rows = {(e["system"], e["phase"], e["batch"]): e for e in doc["results"]}
+    assert {s for s, _, _ in rows} == {"hf", "dense", "reference", "cpu"}
+    assert len(rows) == 4 * 3
+    cpu = rows[("cpu", "decode", 1)]
+    for key in ("tokens_per_s", "decode_speedup_vs_hf", "ideal_speedup", "measured_sparsity"):
+        assert cpu[key] is not None
+    assert rows[("hf", "prefill", 1)]["prefill_speedup_vs_hf"] == 1.0
+    assert 0 < cpu["measured_sparsity"]["total"] < 1 and cpu["ideal_speedup"] > 1.0
+    assert rows[("dense", "decode", 1)]["measured_sparsity"] is None
+    assert "wide bench" in r.stderr

@@ -1,0 +1,114 @@
+"""`wide bench EXPORT`: prefill/decode tokens/s of dense HF transformers, the runtime's dense mode
+and the routed backends, with speedups and the ideal bound (see ``runtime/bench.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from wide_cli.cli import options as o
+
+QUICK = {"prefill_lengths": (32, 128), "decode_batches": (1, 2), "new_tokens": 16, "decode_prompt_len": 32, "repeats": 1, "warmup": 1}
+
+
+def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        from wide_cli.errors import ConfigError
+
+        raise ConfigError(f"{flag} {text!r} is not a comma-separated list of integers", f"e.g. {flag} 128,1024") from None
+    return vals
+
+
+def bench_table(doc: dict):
+    """The Rich table of a bench report (``BenchReport.to_dict()``)."""
+    from rich.table import Table
+
+    t = Table(title=f"wide bench: {doc['export']} ({doc['environment'].get('dtype')}, "
+                    f"{doc['environment'].get('threads')} threads)")  # fmt: skip
+    for col in ("shape", "system", "tokens/s", "ms", "x HF", "x dense", "ideal", "sparsity a/f", "GB/s"):
+        t.add_column(col, justify="left" if col in ("shape", "system") else "right")
+    last = None
+    for r in doc["results"]:
+        shape = (
+            f"prefill {r['prompt_len']}" if r["phase"] == "prefill" else f"decode b{r['batch']} x{r['new_tokens']}"
+        )
+        sp = r["measured_sparsity"]
+        f = lambda v, n=2: "-" if v is None else f"{v:.{n}f}"
+        t.add_row(
+            shape if shape != last else "",
+            r["system"],
+            f(r["tokens_per_s"], 1),
+            f(r["ms_per_step"], 1),
+            f(r["speedup_vs_hf"]),
+            f(r["speedup_vs_dense"]),
+            f(r["ideal_speedup"]),
+            "-" if not sp else f"{f(sp.get('attention'))}/{f(sp.get('ffn'))}",
+            f(r["weight_gb_per_s"], 1),
+        )
+        last = shape
+    return t
+
+
+def bench_cmd(
+    export: Annotated[Path, typer.Argument(help="Export directory (written by `wide export`).")],
+    prefill_lengths: Annotated[str | None, typer.Option("--prefill-lengths", help="Prompt lengths, e.g. 128,1024.")] = None,
+    decode_batches: Annotated[str | None, typer.Option("--decode-batches", help="Decode batch sizes, e.g. 1,8.")] = None,
+    new_tokens: Annotated[int | None, typer.Option("--new-tokens", help="Timed decode steps (default 128).")] = None,
+    decode_prompt_len: Annotated[int | None, typer.Option("--decode-prompt-len", help="Prompt tokens before decoding (default 64).")] = None,
+    repeats: Annotated[int | None, typer.Option("--repeats", help="Timed rounds; the median is reported (default 3).")] = None,
+    warmup: Annotated[int | None, typer.Option("--warmup", help="Untimed rounds first (default 1).")] = None,
+    systems: Annotated[str | None, typer.Option("--systems", help="hf,dense,reference,cpu (and cupy on a GPU).")] = None,
+    dense_backend: Annotated[str | None, typer.Option("--dense-backend", help="Backend of the `dense` system (default cpu).")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="fp32 | bf16 (default fp32).")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", help="Torch CPU threads (default: torch's).")] = None,
+    forced_sparsity: Annotated[float | None, typer.Option("--forced-sparsity", help="Replace routers by random masks skipping this fraction (label the results).")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Prompt offsets and forced masks (default 0).")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Small shapes, one round (explicit flags still win).")] = False,
+    json_out: o.JsonOpt = False,
+    json_file: Annotated[Path | None, typer.Option("--json-out", help="Also write the JSON report to FILE (atomic).")] = None,
+):
+    """Benchmark EXPORT: prefill and decode tokens/s for dense HF, the runtime's dense mode and
+    the routed backends, with speedups, measured sparsity and the ideal bound."""
+    from wide_cli.cli import render
+    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.runtime.bench import BenchConfig, run_bench
+
+    quiet_libraries()
+    given = {
+        "prefill_lengths": _ints(prefill_lengths, "--prefill-lengths"),
+        "decode_batches": _ints(decode_batches, "--decode-batches"),
+        "new_tokens": new_tokens,
+        "decode_prompt_len": decode_prompt_len,
+        "repeats": repeats,
+        "warmup": warmup,
+        "systems": None if systems is None else tuple(s.strip() for s in systems.split(",") if s.strip()),
+        "dense_backend": dense_backend,
+        "dtype": dtype,
+        "threads": threads,
+        "forced_sparsity": forced_sparsity,
+        "seed": seed,
+    }
+    kw = dict(QUICK) if quick else {}
+    kw.update({k: v for k, v in given.items() if v is not None})
+    cfg = BenchConfig(**kw)
+    report = run_bench(export, cfg, log=render.log)
+    doc = report.to_dict()
+    if json_file is not None:
+        from wide_cli.export.atomic import atomic_write_json
+
+        json_file.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(json_file, doc)
+    if json_out:
+        render.emit_json(doc)
+        return
+    render.err.print(bench_table(doc))
+    for note in doc["notes"]:
+        render.log(f"note: {note}")
+    if json_file is not None:
+        render.log(f"wrote {json_file}")
