@@ -209,11 +209,13 @@ def nvrtc_compile(source: str, options: tuple[str, ...], name: str = "kernel.cu"
 
 
 def log_problems(log: str) -> list[str]:
-    """Lines of an NVRTC log that are warnings or errors (anything but ptxas ``info`` lines)."""
+    """Lines of an NVRTC log that are warnings or errors (ptxas ``-v`` resource lines are not)."""
     bad = []
-    for line in log.splitlines():
+    for line in log.replace("\x00", "").splitlines():
         s = line.strip()
-        if not s or s.startswith("ptxas info") or "creating precompiled header" in s:
+        if not s or "creating precompiled header" in s:
             continue
+        if s.startswith("ptxas") and "warning" not in s.lower() and "error" not in s.lower():
+            continue  # "ptxas info : Used N registers", "ptxas . 0 bytes stack frame", ...
         bad.append(s)
     return bad

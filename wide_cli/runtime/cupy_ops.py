@@ -161,7 +161,18 @@ def cuda_status() -> str | None:
 
 
 def device_arch(device: torch.device) -> str:
-    """``sm_XY`` for ``device``, capped at the newest arch this NVRTC can target."""
+    """``sm_XY`` for ``device``, capped at the newest arch this NVRTC can target (cached)."""
+    idx = torch.device(device).index
+    arch = _ARCH.get(idx)
+    if arch is None:
+        arch = _ARCH[idx] = _query_arch(device)
+    return arch
+
+
+_ARCH: dict[int | None, str] = {}
+
+
+def _query_arch(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     cc = 10 * major + minor
     try:

@@ -1,0 +1,81 @@
+"""``gpu_check`` on a CPU: the case lists, the JSON it writes, the no-GPU error, and the naive
+gather-compute-scatter baselines it times against (they must compute the operators exactly)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from wide_cli.runtime import gpu_check, ops
+
+
+def test_case_lists_cover_the_brief():
+    cases = gpu_check.build_cases()
+    check, bench = cases["check"], cases["bench"]
+    assert {c.model for c in check} == set(gpu_check.MODELS)
+    assert {c.m for c in check if c.op in gpu_check.GEMM_OPS} == set(gpu_check.MS)
+    assert {c.sparsity for c in check} == set(gpu_check.SPARSITIES)
+    assert {c.mask for c in check} == {"random", "structured"}
+    assert {c.op for c in check} == {*gpu_check.GEMM_OPS, "attn_prefill", "attn_decode"}
+    assert len({c.name for c in bench}) == len(bench)
+    for (op, model, m, s), _ in gpu_check.TARGETS.values():  # every target is measured first
+        assert any(c.op == op and c.model == model and c.m == m and c.sparsity == s for c in bench[:10])
+
+
+def test_dry_run_without_compile_writes_json(tmp_path):
+    rc = gpu_check.main(["--out", str(tmp_path), "--dry-run", "--sections", "none"])
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert rc == 0 and data["dry_run"] is True
+    assert data["case_counts"]["check"] == len(data["cases"]["check"]) > 500
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_gpu_run_without_gpu_is_a_clear_error(tmp_path):
+    rc = gpu_check.main(["--out", str(tmp_path), "--sections", "check"])
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert rc == 2 and "no CUDA device" in data["error"] and "--dry-run" in data["error"]
+
+
+def _masks(M, G, seed):
+    return torch.rand(M, G, generator=torch.Generator().manual_seed(seed)) < 0.5
+
+
+@pytest.mark.parametrize("M", [1, 9, 40])
+def test_naive_gemm_baselines_match_the_references(M):
+    g = torch.Generator().manual_seed(M)
+    a, w, w2 = (torch.randn(*s, generator=g) for s in ((M, 64), (96, 64), (96, 64)))
+    mask = _masks(M, 3, M)
+    torch.testing.assert_close(gpu_check._naive_mn(a, w, None, mask, 32), ops.gemm_mn(a, w, mask, 32))
+    torch.testing.assert_close(
+        gpu_check._naive_mn(a, w, w2, mask, 32), ops.gemm_mn_swiglu(a, w, w2, mask, 32)
+    )
+    wk = torch.randn(48, 96, generator=g)
+    ak = torch.randn(M, 96, generator=g)
+    torch.testing.assert_close(gpu_check._naive_k(ak, wk, mask, 32), ops.gemm_k(ak, wk, mask, 32))
+
+
+def test_naive_attention_baselines_match_the_references():
+    g = torch.Generator().manual_seed(0)
+    T, H, Hkv, d, hg = 37, 6, 2, 16, 3
+    q, k, v = (
+        torch.randn(1, T, H, d, generator=g),
+        torch.randn(1, T, Hkv, d, generator=g),
+        torch.randn(1, T, Hkv, d, generator=g),
+    )
+    hm = _masks(T, H // hg, 1).repeat_interleave(hg, dim=-1)[None]
+    got = gpu_check._naive_prefill(q, k, v, hm, hg, d**-0.5)
+    torch.testing.assert_close(got, ops.attention_prefill(q, k, v, hm, scale=d**-0.5), atol=1e-5, rtol=1e-4)
+    B, S = 3, 50
+    qd, kc, vc = (
+        torch.randn(B, H, d, generator=g),
+        torch.randn(B, Hkv, S, d, generator=g),
+        torch.randn(B, Hkv, S, d, generator=g),
+    )
+    hmd = _masks(B, Hkv, 2).repeat_interleave(H // Hkv, dim=-1)
+    kv = torch.ones(B, S, dtype=torch.bool)
+    got = gpu_check._naive_decode(qd, kc, vc, hmd, H // Hkv, d**-0.5)
+    torch.testing.assert_close(
+        got, ops.attention_decode(qd, kc, vc, hmd, kv, scale=d**-0.5), atol=1e-5, rtol=1e-4
+    )
