@@ -7,7 +7,9 @@ must hold no warning or error line. Skips (with the reason) only when no NVRTC c
 
 from __future__ import annotations
 
+import os
 import re
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -23,9 +25,33 @@ def nvrtc() -> str:
         pytest.skip(str(e))
 
 
-def _compile(source: str, dtype: str, arch: str, defines: dict | None = None) -> K.CompileResult:
-    opts = K.compile_options(dtype, arch, defines)
+def _compile(source: str, dtype: str, arch: str, defines: tuple = ()) -> K.CompileResult:
+    opts = K.compile_options(dtype, arch, dict(defines))
     return K.nvrtc_compile(K.load_source(source), opts, source)
+
+
+_BUILDS = cupy_ops.kernel_builds()
+# Compiled up front, in parallel (NVRTC is single-threaded): every source x dtype x arch with its
+# default defines, and every dispatch build for sm_90 / bf16.
+_DEFAULT_JOBS = [
+    (src, dt, arch, ()) for src in sorted(K.SOURCES) for dt in sorted(K.DTYPE_DEFINES) for arch in K.ARCHS
+]
+_DEFAULT_JOBS += [(b.source, "bf16", "sm_90", b.defines) for b in _BUILDS]
+
+
+def _job(args) -> K.CompileResult:
+    return _compile(*args)
+
+
+@pytest.fixture(scope="module")
+def compiled(nvrtc) -> dict:
+    workers = max(1, min(8, os.cpu_count() or 1))
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return dict(zip(_DEFAULT_JOBS, pool.map(_job, _DEFAULT_JOBS)))
+
+
+def _result(compiled: dict, *key) -> K.CompileResult:
+    return compiled[key] if key in compiled else _compile(*key)
 
 
 def _assert_clean(res: K.CompileResult, what: str) -> None:
@@ -49,8 +75,8 @@ def test_source_table_matches_files():
 @pytest.mark.parametrize("arch", K.ARCHS)
 @pytest.mark.parametrize("dtype", sorted(K.DTYPE_DEFINES))
 @pytest.mark.parametrize("source", sorted(K.SOURCES))
-def test_every_source_compiles_clean(nvrtc, source, dtype, arch):
-    res = _compile(source, dtype, arch)
+def test_every_source_compiles_clean(compiled, nvrtc, source, dtype, arch):
+    res = _result(compiled, source, dtype, arch, ())
     _assert_clean(res, f"{source} ({dtype}, {arch}, {nvrtc})")
     for func in K.SOURCES[source]:  # the extern "C" kernels are in the cubin's symbol table
         assert func.encode() in res.binary, f"{func} missing from the {arch} cubin of {source}"
@@ -59,15 +85,14 @@ def test_every_source_compiles_clean(nvrtc, source, dtype, arch):
 # Every tile configuration the dispatcher can pick. Both dtypes and both archs already go through
 # every source above; here the tile defines vary. sm_90/bf16 always, the sm_80/fp16 repeat with
 # WIDE_SLOW=1 (about a minute more on a 2-core machine).
-_BUILDS = cupy_ops.kernel_builds()
 
 
 @pytest.mark.parametrize(
     "arch,dtype", [("sm_90", "bf16"), pytest.param("sm_80", "fp16", marks=pytest.mark.slow)]
 )
 @pytest.mark.parametrize("build", _BUILDS, ids=[b.label for b in _BUILDS])
-def test_every_dispatch_build_compiles_clean(nvrtc, build, arch, dtype):
-    res = _compile(build.source, dtype, arch, dict(build.defines))
+def test_every_dispatch_build_compiles_clean(compiled, build, arch, dtype):
+    res = _result(compiled, build.source, dtype, arch, build.defines)
     _assert_clean(res, f"{build.label} ({dtype}, {arch})")
 
 
