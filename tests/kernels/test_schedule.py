@@ -7,6 +7,7 @@ plain Python loops, so a GPU run only has to check that the kernels follow the s
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -88,9 +89,9 @@ def test_active_tiles_and_rows_match_brute_force(M, G, p, block_m):
             assert positions == want_exec + want_skip  # executing rows first inside a tile
             loaded[j] += ex.tolist()
         assert loaded[j] == executing  # every executing token exactly once, none of the others
-    # the launch order is tile-major (blockIdx.y = tile), as the kernels are launched
+    # the launch order is group-major (blockIdx.x = tile is the fastest grid index)
     listed = schedule.active_tiles(counts, M, block_m).tolist()
-    assert listed == sorted(listed, key=lambda gt: (gt[1], gt[0]))
+    assert listed == sorted(listed)
 
 
 def test_schedule_stats_counts():
@@ -134,6 +135,19 @@ def test_gemm_k_tile_groups(block_m, structured):
         for j in range(9)
     ) / (math.ceil(300 / 16) * 9)
     assert live == pytest.approx(brute)
+
+
+@pytest.mark.parametrize(
+    "M,N,bm,bn", [(4096, 4096, 128, 128), (129, 64, 16, 128), (1000, 576, 64, 128), (33, 8, 32, 64)]
+)
+def test_gemm_k_block_order_is_a_grouped_permutation(M, N, bm, bn):
+    order = schedule.gemm_k_block_order(M, N, bm, bn)
+    tm, tn = math.ceil(M / bm), math.ceil(N / bn)
+    pairs = [tuple(p) for p in order.tolist()]
+    assert sorted(pairs) == [(i, j) for i in range(tm) for j in range(tn)]  # every block exactly once
+    # consecutive blocks stay inside a band of 8 token tiles, walking down it before moving right
+    for (m0, _), (m1, n1) in itertools.pairwise(pairs):
+        assert m0 // 8 == m1 // 8 or (m1 % 8 == 0 and n1 == 0)
 
 
 def test_kv_heads_read():

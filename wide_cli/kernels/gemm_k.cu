@@ -14,8 +14,9 @@
 // Math: mma.sync m16n8k16, fp32 accumulate, ldmatrix, STAGES-deep cp.async pipeline.
 //
 // Host guarantees: group_size % 32 == 0, K % 8 == 0, N % 8 == 0, lda/ldw/ldo % 8 == 0, aligned
-// bases. grid (ceil(N / BN), ceil(M / BM)), block WARPS_M*WARPS_N*32,
-// dynamic smem = STAGES*(BM+BN)*LDS*2 + G*WORDS*4 + G*4 bytes.
+// bases. grid (ceil(M / BM) * ceil(N / BN)) in GROUP_M-swizzled order (blocks in flight share
+// GROUP_M token tiles and a run of weight tiles, so both operands are mostly L2 hits),
+// block WARPS_M*WARPS_N*32, dynamic smem = STAGES*(BM+BN)*LDS*2 + G*WORDS*4 + G*4 bytes.
 #include "common.cuh"
 
 #ifndef BM
@@ -43,6 +44,9 @@
 #define MI (WTM / 16)
 #define NI (WTN / 8)
 #define WORDS (BM >= 32 ? BM / 32 : 1)
+#ifndef GROUP_M
+#define GROUP_M 8
+#endif
 
 static_assert(BM == 16 || BM % 32 == 0, "BM must be 16 or a multiple of 32");
 static_assert(WTM % 16 == 0 && WTN % 16 == 0, "warp tile must be a multiple of 16x16");
@@ -65,8 +69,13 @@ extern "C" __global__ void __launch_bounds__(NT)
   int* s_glist = reinterpret_cast<int*>(s_bits + G * WORDS);        // [G] executed groups
   __shared__ int s_ng;
 
-  const int n0 = blockIdx.x * BN;
-  const int m0 = blockIdx.y * BM;
+  // GROUP_M swizzle of the 1-D grid: walk GROUP_M token tiles down, then the next weight tile
+  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
+  const int per_group = GROUP_M * tiles_n;
+  const int pid = blockIdx.x, first_m = (pid / per_group) * GROUP_M;
+  const int rows_m = min(tiles_m - first_m, GROUP_M);
+  const int m0 = (first_m + (pid % per_group) % rows_m) * BM;
+  const int n0 = ((pid % per_group) / rows_m) * BN;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
   // Execute bits of this tile's rows, per group (rows past M are 0 in `packed`, words past it too).

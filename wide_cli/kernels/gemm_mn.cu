@@ -17,7 +17,9 @@
 // Tile config (defines): BM, BN (weight rows per tile; SWIGLU tiles hold BN/2 gate + BN/2 up
 // rows), WARPS_M x WARPS_N warps, STAGES. Host guarantees: group_size % BN_OUT == 0,
 // K % 8 == 0, lda/ldw/ldo % 8 == 0, 16-byte aligned bases.
-// grid (N / BN_OUT, ceil(M / BM)), block WARPS_M*WARPS_N*32, dynamic smem = gemm_mn_smem_bytes.
+// grid (ceil(M / BM), N / BN_OUT), block WARPS_M*WARPS_N*32, dynamic smem STAGES*(BM+BN)*LDS*2.
+// Token tiles are the fastest grid index: consecutive blocks share one weight tile (read from
+// HBM once, then L2), and a group's live tiles come first, its empty ones retire right after.
 #include "common.cuh"
 
 #ifndef BM
@@ -72,9 +74,9 @@ extern "C" __global__ void __launch_bounds__(NT)
   elem_t* Bs = As + STAGES * BM * LDS;                // [STAGES][BN][LDS]
   __shared__ int s_tok[BM];
 
-  const int n0 = blockIdx.x * BN_OUT;
+  const int n0 = blockIdx.y * BN_OUT;
   const int g = n0 / group_size;
-  const int m0 = blockIdx.y * BM;
+  const int m0 = blockIdx.x * BM;
   const int c = counts[g];
   const int* ord = order + (i64)g * M;
 

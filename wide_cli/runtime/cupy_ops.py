@@ -534,7 +534,7 @@ def _gemm_mn(a, w, w2, mask, group_size, bias, *, swiglu: bool, zero_skipped: bo
         args = (_arg(a_), _i64(a_.stride(0)), _arg(w_), _arg(w2_), _i64(w_.stride(0)), bias_arg, _i32(has_bias),
                 _arg(order), _arg(counts), _arg(out), _i64(N), _i32(M), _i32(N), _i32(Kd), _i32(group_size),
                 _i32(int(zero_skipped)))  # fmt: skip
-        launch(kern, (N // t.bn_out(swiglu), -(-M // t.bm), 1), (t.threads, 1, 1), args, t.smem(), dev)
+        launch(kern, (-(-M // t.bm), N // t.bn_out(swiglu), 1), (t.threads, 1, 1), args, t.smem(), dev)
         return out
 
     default = _heuristic_tile(cands, M, N // widest, _sms(dev), 0.5)
@@ -598,7 +598,7 @@ def gemm_k(a, w, mask, group_size, bias=None):
         smem = t.smem() + G * max(1, t.bm // 32) * 4 + G * 4
         args = (_arg(a_), _i64(a_.stride(0)), _arg(w_), _i64(w_.stride(0)), bias_arg, _i32(has_bias),
                 _arg(packed), _i32(words), _arg(out), _i64(N), _i32(M), _i32(N), _i32(Kd), _i32(group_size))  # fmt: skip
-        launch(kern, (-(-N // t.bn), -(-M // t.bm), 1), (t.threads, 1, 1), args, smem, dev)
+        launch(kern, (-(-N // t.bn) * -(-M // t.bm), 1, 1), (t.threads, 1, 1), args, smem, dev)
         return out
 
     cands = list(GEMM_K_TILES)

@@ -63,13 +63,13 @@ def active_tiles(counts: torch.Tensor, num_tokens: int, block_m: int) -> torch.T
     Args:
         counts: ``[G]`` executing tokens per group.
     Returns:
-        ``[n_active, 2]`` int64 rows ``(group, tile)``, in the kernel's launch order (tile-major,
-        then group: ``blockIdx.y`` is the tile, ``blockIdx.x`` the group's column tile).
+        ``[n_active, 2]`` int64 rows ``(group, tile)``, in the kernel's launch order (group-major:
+        ``blockIdx.x`` is the tile, the fastest grid index, ``blockIdx.y`` the group's column tile).
     """
     T = num_tiles(num_tokens, block_m)
     t = torch.arange(T, device=counts.device)
-    live = (t[:, None] * block_m) < counts[None, :].long()  # [T, G]
-    tile, group = live.nonzero(as_tuple=True)
+    live = (t[None, :] * block_m) < counts[:, None].long()  # [G, T]
+    group, tile = live.nonzero(as_tuple=True)
     return torch.stack([group, tile], dim=1)
 
 
@@ -105,6 +105,19 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     padded[:M] = mask.to(torch.int64)
     weights = torch.ones(32, dtype=torch.int64, device=mask.device) << torch.arange(32, device=mask.device)
     return (padded.view(W, 32, G) * weights[None, :, None]).sum(dim=1)
+
+
+def gemm_k_block_order(
+    num_tokens: int, num_out: int, block_m: int, block_n: int, group_m: int = 8
+) -> torch.Tensor:
+    """``gemm_k``'s GROUP_M-swizzled launch order: row ``pid`` is the ``(token tile, weight tile)``
+    block number ``pid`` computes; ``[tiles_m * tiles_n, 2]`` int64, a permutation of all pairs."""
+    tm, tn = num_tiles(num_tokens, block_m), num_tiles(num_out, block_n)
+    pid = torch.arange(tm * tn)
+    per_group = group_m * tn
+    first_m = (pid // per_group) * group_m
+    rows_m = torch.clamp(tm - first_m, max=group_m)
+    return torch.stack([first_m + (pid % per_group) % rows_m, (pid % per_group) // rows_m], dim=1)
 
 
 def gemm_k_tile_groups(mask: torch.Tensor, block_m: int) -> list[list[int]]:
