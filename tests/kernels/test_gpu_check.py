@@ -79,3 +79,22 @@ def test_naive_attention_baselines_match_the_references():
     torch.testing.assert_close(
         got, ops.attention_decode(qd, kc, vc, hmd, kv, scale=d**-0.5), atol=1e-5, rtol=1e-4
     )
+
+
+def test_e2e_timing_helper_runs_a_runtime():
+    """The end-to-end section's timing loop, on the CPU backend and a tiny routed model."""
+    import warnings
+
+    from wide_cli.models.tiny import tiny_model
+    from wide_cli.routing import RoutingConfig, attach_routers
+    from wide_cli.runtime.engine import Runtime
+
+    model = tiny_model("llama", seed=0, intermediate_size=96)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        attach_routers(model, RoutingConfig(attn_group_size=2, ffn_group_size=32)).set_mode("argmax")
+    rt = Runtime.from_model(model, backend="cpu")
+    out = gpu_check._e2e_system(rt, True, 0.5, prompt_len=16, batch=2, steps=3)
+    assert out["prefill"]["tokens"] == 16 and out["decode"]["tokens"] == 6
+    assert out["prefill"]["seconds"] > 0 and out["decode"]["tokens_per_s"] > 0
+    assert rt.forced == {}
