@@ -213,7 +213,7 @@ def log_problems(log: str) -> list[str]:
     bad = []
     for line in log.replace("\x00", "").splitlines():
         s = line.strip()
-        if not s or "creating precompiled header" in s:
+        if not s or "precompiled header" in s:
             continue
         if s.startswith("ptxas") and "warning" not in s.lower() and "error" not in s.lower():
             continue  # "ptxas info : Used N registers", "ptxas . 0 bytes stack frame", ...
