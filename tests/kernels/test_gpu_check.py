@@ -24,8 +24,10 @@ def test_case_lists_cover_the_brief():
         assert any(c.op == op and c.model == model and c.m == m and c.sparsity == s for c in bench[:10])
 
 
-def test_dry_run_without_compile_writes_json(tmp_path):
+def test_dry_run_without_compile_writes_json(tmp_path, monkeypatch):
+    monkeypatch.delenv("WIDE_CUPY_DENSE_ABOVE", raising=False)
     rc = gpu_check.main(["--out", str(tmp_path), "--dry-run", "--sections", "none"])
+    assert "WIDE_CUPY_DENSE_ABOVE" not in __import__("os").environ  # main restores the environment
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert rc == 0 and data["dry_run"] is True
     assert data["case_counts"]["check"] == len(data["cases"]["check"]) > 500

@@ -10,7 +10,7 @@ mantissa bits). Attention rounds the softmax weights to the input dtype before P
 FlashAttention does), so its bounds are 2e-3 / 1.5e-2. Skipped outputs must be exact zeros.
 
 ``WIDE_CUPY_VERIFY=0`` here: the first-use check must not quietly swap a wrong kernel for the
-reference. Each test also asserts that no call was routed to the reference unless it expects so.
+reference; ``WIDE_CUPY_DENSE_ABOVE=1.0``: large-M calls run the kernels, not cuBLAS. Each test also asserts that no call was routed to the reference unless it expects so.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def _kernels(monkeypatch):
     if why is not None:
         pytest.skip(why)
     monkeypatch.setenv("WIDE_CUPY_VERIFY", "0")
+    monkeypatch.setenv("WIDE_CUPY_DENSE_ABOVE", "1.0")  # always the kernels, even where cuBLAS would win
 
 
 @contextlib.contextmanager
@@ -234,6 +235,25 @@ def test_skipped_weights_are_not_read(M):
     with kernels_only():
         outk = cupy_ops.gemm_k(a, wk_poison, mk, g)
     assert rel(outk, ops.gemm_k(a.float(), wk.float(), mk, g)) <= TOL[dtype]
+
+
+def test_auto_dispatch_picks_cublas_for_dense_masks(monkeypatch):
+    """At large M a mask that skips little goes to cuBLAS on the masked input: same result."""
+    monkeypatch.setenv("WIDE_CUPY_DENSE_ABOVE", "0.6")
+    M, K, N, g = 1024, 512, 1024, 128
+    a, w = rand(M, K, dtype=torch.bfloat16, seed=50), rand(N, K, dtype=torch.bfloat16, seed=51)
+    for p, path in ((0.9, "cuBLAS on the masked input"), (0.2, "kernel")):
+        mask = rmask(M, N // g, p=p, seed=52)
+        before = cupy_ops.dispatch_counts().get(f"gemm_mn: {path}", 0)
+        out = cupy_ops.gemm_mn(a, w, mask, g)
+        assert cupy_ops.dispatch_counts()[f"gemm_mn: {path}"] == before + 1
+        assert rel(out, ops.gemm_mn(a.float(), w.float(), mask, g)) <= TOL[torch.bfloat16]
+        assert (out[~ops.expand_mask(mask, g)] == 0).all()
+    mk = rmask(M, K // g, p=0.5, seed=53)  # random: every 16-row fragment is live -> cuBLAS
+    a_nan = torch.where(ops.expand_mask(mk, g), a, torch.full((), float("nan"), dtype=a.dtype, device=DEV))
+    out = cupy_ops.gemm_k(a_nan, w[:, :K], mk, g)
+    assert cupy_ops.dispatch_counts()["gemm_k: cuBLAS on the masked input"] >= 1
+    assert rel(out, ops.gemm_k(a.float(), w[:, :K].float(), mk, g)) <= TOL[torch.bfloat16]
 
 
 def test_unsupported_shapes_fall_back_to_the_reference():

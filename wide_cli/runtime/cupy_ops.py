@@ -13,6 +13,11 @@ Every public operator has the exact signature and semantics of its reference in
   reads); larger ``M`` the mask-reordered tensor-core GEMMs, with a tile picked per shape by a
   small heuristic, or by measurement with ``WIDE_CUPY_AUTOTUNE=1`` (stored on disk, keyed by
   device, op, dtype, N, K, group size and next-pow2(M)). ``mask=None`` goes to cuBLAS.
+- **Dense when routing skips little**: the kernels use ``mma.sync`` tensor cores, slower per FLOP
+  than cuBLAS on Hopper, so for ``M >= AUTO_MIN_M`` one host sync reads the live fraction of the
+  mask (executing pairs for ``gemm_mn``, live 16-row fragments for ``gemm_k``); above
+  ``WIDE_CUPY_DENSE_ABOVE`` (default 0.6) the op runs cuBLAS on the masked input instead, which is
+  exactly the same function. Never during CUDA-graph capture; ``dispatch_counts()`` says which ran.
 - **Never a wrong answer** (B08): shapes, dtypes or layouts a kernel does not support go to the
   PyTorch reference (logged once per reason, counted in ``fallback_counts()``). With
   ``WIDE_CUPY_VERIFY=1`` (the default) the first call of every kernel build is also computed by
@@ -48,6 +53,7 @@ DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 GEMV_MAX_M = 8  # calls with at most this many tokens take the GEMV kernels
 PREFILL_BM = 64  # query rows per attention-prefill block (4 warps x 16)
 VERIFY_TOL = {"bf16": 2e-2, "fp16": 5e-3}  # relative Frobenius error vs the reference
+AUTO_MIN_M = 512  # from this many tokens a host sync to pick kernel vs cuBLAS is cheap enough
 
 # ----------------------------------------------------------------------------------------------
 # tile tables (what the dispatcher may build; ``kernel_builds`` lists them for the CI compile)
@@ -192,6 +198,7 @@ _STREAMS: dict[tuple[int, int], Any] = {}
 _BROKEN: set[tuple] = set()
 _VERIFIED: set[tuple] = set()
 _FALLBACKS: Counter = Counter()
+_DISPATCH: Counter = Counter()
 _WARNED: set[tuple[str, str]] = set()
 
 
@@ -275,6 +282,22 @@ def _fallback(op: str, why: str, ref: Callable[[], torch.Tensor]) -> torch.Tenso
 def fallback_counts() -> dict[str, int]:
     """``"op: reason" -> calls`` routed to the reference so far in this process."""
     return {f"{op}: {why}": n for (op, why), n in _FALLBACKS.items()}
+
+
+def dispatch_counts() -> dict[str, int]:
+    """``"op: path" -> calls`` for the large-M kernel-vs-cuBLAS choice made so far."""
+    return {f"{op}: {path}": n for (op, path), n in _DISPATCH.items()}
+
+
+def _dense_is_faster(op: str, live: torch.Tensor, M: int) -> bool:
+    """True when the mask leaves so much work that cuBLAS on the masked input wins (one sync)."""
+    threshold = float(os.environ.get("WIDE_CUPY_DENSE_ABOVE", "0.6"))
+    if M < AUTO_MIN_M or threshold >= 1.0 or torch.cuda.is_current_stream_capturing():
+        _DISPATCH[(op, "kernel")] += 1
+        return False
+    dense = float(live) > threshold
+    _DISPATCH[(op, "cuBLAS on the masked input" if dense else "kernel")] += 1
+    return dense
 
 
 def broken_builds() -> list[str]:
@@ -528,6 +551,8 @@ def _gemm_mn(a, w, w2, mask, group_size, bias, *, swiglu: bool, zero_skipped: bo
     widest = max(t.bn_out(swiglu) for t in cands)
     cands = [t for t in cands if t.bn_out(swiglu) == widest]
     order, counts = reorder(mask_)  # counted in the op's time (one launch)
+    if _dense_is_faster(op, counts.sum() / max(1, counts.numel() * M), M):
+        return ref()  # dense cuBLAS, then the mask: the same function
 
     def run_tile(t: GemmTile):
         kern = get_kernel("gemm_mn.cu", "wide_gemm_mn", dt, t.defines(swiglu), dev)
@@ -592,6 +617,9 @@ def gemm_k(a, w, mask, group_size, bias=None):
         return _fallback("gemm_k", f"group_size {group_size} is not a multiple of 32", ref)
     packed = pack_mask(mask_)
     words = packed.shape[0]
+    halves = torch.stack([packed & 0xFFFF, (packed >> 16) & 0xFFFF])  # 16-row fragments x groups
+    if _dense_is_faster("gemm_k", (halves != 0).float().mean(), M):
+        return ref()  # cuBLAS on the masked activations: the same function
 
     def run_tile(t: GemmTile):
         kern = get_kernel("gemm_k.cu", "wide_gemm_k", dt, t.defines(), dev)

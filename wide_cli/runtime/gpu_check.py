@@ -9,8 +9,10 @@ Sections, each with its own time budget (cases past it are recorded as skipped, 
 2. ``check``: every operator against its PyTorch reference (computed in fp32 on the same inputs)
    on SmolLM2-135M (D=576, H=9, H_kv=3, d=64, F=1536) and Llama-3.1-8B (D=4096, H=32, H_kv=8,
    d=128, F=14336) shapes, M in 1, 8, 128, 1024, 4096, sparsity 0 .. 1, random and structured
-   masks; skipped outputs must be exact zeros. First-use verification is off
-   (``WIDE_CUPY_VERIFY=0``) so the kernels themselves are checked.
+   masks; skipped outputs must be exact zeros. First-use verification and the large-M cuBLAS
+   dispatch are off (``WIDE_CUPY_VERIFY=0``, ``WIDE_CUPY_DENSE_ABOVE=1.0``), so the kernels
+   themselves are checked and timed; bench records carry the mask's live fraction and what the
+   default dispatch would run.
 3. ``bench``: CUDA-event times after warm-up of each kernel, of the dense op (cuBLAS ``F.linear``
    / ``scaled_dot_product_attention``) and of a naive gather-compute-scatter baseline; kernel and
    dense ops also as CUDA-graph replays (pure GPU time, no launch gaps). Speedups sit next to
@@ -304,6 +306,13 @@ class Workload:
             mask = _group_mask(M, G, case.sparsity, case.mask, gen, dev)
             self.mask, self.g = mask, g
             live = float(mask.float().mean())
+            if case.op in ("o", "down"):  # gemm_k: the live 16-row fragments decide its work
+                Mp = -(-M // 16) * 16
+                pad = torch.zeros(Mp, G, dtype=torch.bool, device=dev)
+                pad[:M] = mask
+                self.live = float(pad.view(-1, 16, G).any(1).float().mean())
+            else:
+                self.live = live
             mult = 2 if case.op == "gate_up" else 1
             self.flops = 2.0 * M * K * N * mult * live
             self.bytes = 2.0 * (
@@ -368,6 +377,7 @@ class Workload:
             self.flops = 4.0 * B * H * S * d * live
             self.bytes = 2.0 * 2 * B * Hkv * S * d * live
         self.ideal = math.inf if case.sparsity >= 1.0 else 1.0 / (1.0 - case.sparsity)
+        self.live = getattr(self, "live", None)
 
 
 def _sdpa(q, k, v, causal: bool):
@@ -511,6 +521,14 @@ def time_graph(fn, per_graph: int = 10, replays: int = 5) -> float | None:
         return None
 
 
+_AUTO_THRESHOLD = [0.6]
+
+
+def state_threshold() -> float:
+    """The large-M dispatch threshold the user's environment would apply (recorded per record)."""
+    return _AUTO_THRESHOLD[0]
+
+
 def _sticky(err: BaseException) -> bool:
     msg = str(err).lower()
     return any(s in msg for s in ("illegal memory access", "illegal address", "unspecified launch failure",
@@ -558,6 +576,12 @@ def run_case(case: Case, weights: dict, mode: str) -> dict:
         rec["speedup_vs_dense_eager"] = rec["dense_ms"] / rec["kernel_ms"] if rec["kernel_ms"] else None
         rec["speedup_vs_naive"] = rec["naive_ms"] / k if k else None
         rec["kernel_tflops"] = wl.flops / (k * 1e9) if k else None
+        if wl.live is not None:
+            from wide_cli.runtime.cupy_ops import AUTO_MIN_M
+
+            rec["live_fraction"] = wl.live
+            dense = case.m >= AUTO_MIN_M and wl.live > float(state_threshold())
+            rec["default_dispatch"] = "cuBLAS on the masked input" if dense else "kernel"
         rec["kernel_gbps"] = wl.bytes / (k * 1e6) if k else None
     rec["fallbacks"] = _fallbacks_since(before)
     rec["seconds"] = round(time.time() - t0, 3)
@@ -741,10 +765,16 @@ def _ref_backend():
 
 def main(argv: list[str] | None = None) -> int:
     done = threading.Event()
+    saved = {k: os.environ.get(k) for k in ("WIDE_CUPY_VERIFY", "WIDE_CUPY_DENSE_ABOVE")}
     try:
         return _main(argv, done)
     finally:
         done.set()  # stops the watchdog
+        for k, v in saved.items():  # leave the caller's environment as it was
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _main(argv: list[str] | None, done: threading.Event) -> int:
@@ -775,6 +805,12 @@ def _main(argv: list[str] | None, done: threading.Event) -> int:
     })  # fmt: skip
     if not args.verify:
         os.environ["WIDE_CUPY_VERIFY"] = "0"
+    # check and time the kernels themselves; each bench record says what the default large-M
+    # dispatch (cuBLAS when the live fraction exceeds 0.6) would have run instead
+    auto_threshold = float(os.environ.get("WIDE_CUPY_DENSE_ABOVE", "0.6"))
+    _AUTO_THRESHOLD[0] = auto_threshold
+    os.environ["WIDE_CUPY_DENSE_ABOVE"] = "1.0"
+    report.data["auto_dense_threshold"] = auto_threshold
     threading.Thread(target=_watchdog, args=(report, t_start + args.budget_s + 45, done), daemon=True).start()
     budget = {k: v * args.budget_s for k, v in BUDGET_SPLIT.items()}
     if not args.export:
