@@ -695,9 +695,10 @@ def attention_prefill(q, k, v, head_mask, *, key_valid=None, q_offset=0, scale, 
 
 
 def decode_split(batch: int, kv_heads: int, slots: int, sms: int) -> tuple[int, int]:
-    """``(keys per block, blocks per (row, KV head))`` for decode: about four waves of blocks,
-    64..1024 keys each (a power of two)."""
-    want = max(1, (slots * batch * kv_heads) // (4 * sms))
+    """``(keys per block, blocks per (row, KV head))`` for decode: about eight blocks per SM
+    before skipping (so about four live ones at 50 % sparsity, enough 16-byte loads in flight to
+    stream the cache), 64..1024 keys each (a power of two)."""
+    want = max(1, (slots * batch * kv_heads) // (8 * sms))
     chunk = min(1024, max(64, _next_pow2(want)))
     return chunk, -(-slots // chunk)
 
