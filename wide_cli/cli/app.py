@@ -60,7 +60,13 @@ def main(argv: list[str] | None = None) -> int:
 
     debug = os.environ.get("WIDE_DEBUG", "") not in ("", "0")
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)
+        # Non-standalone typer returns the code of an explicit Exit instead of raising it, and
+        # turns Ctrl-C into Exit(130) itself; our commands return None.
+        if isinstance(code, int) and not isinstance(code, bool) and code != 0:
+            if code == 130:
+                print("error: interrupted", file=sys.stderr)
+            return code
         return 0
     except SystemExit as e:  # typer/click exits (e.g. --help)
         return int(e.code or 0)
