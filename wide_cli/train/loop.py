@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,31 +232,34 @@ def train_stage(
                 sums["lm_loss"] += out.loss.item() / cfg.grad_accum
                 for m in modules:
                     sums[f"s_{m}"] += s_hat[m].item() / cfg.grad_accum
-            if scaler:
-                scaler.unscale_(optimizer)
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            dt = time.perf_counter() - t0
-            elapsed += dt
-            completed, snapshot = step + 1, rng_snapshot()
-            active = [sums[f"s_{m}"] for m in modules]
-            metrics = {
-                "step": step + 1,
-                **{k: round(v, 5) for k, v in sums.items()},
-                "sparsity": round(sum(active) / len(active), 5) if active else 0.0,
-                "tau": round(state.tau, 4),
-                "lr": optimizer.param_groups[0]["lr"],
-                "tokens_per_s": round(cfg.tokens_per_step * world / dt, 1),
-            }
-            if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
-                history.append(metrics)
+            # An interrupt must not land between the parameter update and the step's bookkeeping:
+            # the checkpoint would hold updated weights under the previous step number.
+            with _defer_sigint():
+                if scaler:
+                    scaler.unscale_(optimizer)
+                if cfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                if scaler:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                dt = time.perf_counter() - t0
+                elapsed += dt
+                completed, snapshot = step + 1, rng_snapshot()
+                active = [sums[f"s_{m}"] for m in modules]
+                metrics = {
+                    "step": step + 1,
+                    **{k: round(v, 5) for k, v in sums.items()},
+                    "sparsity": round(sum(active) / len(active), 5) if active else 0.0,
+                    "tau": round(state.tau, 4),
+                    "lr": optimizer.param_groups[0]["lr"],
+                    "tokens_per_s": round(cfg.tokens_per_step * world / dt, 1),
+                }
+                if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
+                    history.append(metrics)
             bar.update(metrics)
             if on_step is not None:
                 on_step(step + 1, metrics)
@@ -278,6 +283,33 @@ def train_stage(
         save_checkpoint(stage_dir, model, optimizer, scheduler, meta_for(cfg.steps), rng_snapshot())
         atomic_write_json(stage_dir / RESULT, {**result.to_dict(), "history": history, "identity": identity})
     return result
+
+
+class _defer_sigint:
+    """Hold SIGINT for the duration of the block, then deliver it (main thread only).
+
+    The original handler runs at block exit (``signal.raise_signal``), so Ctrl-C still raises
+    KeyboardInterrupt, just at a point where the model, optimizer and step counter agree.
+    """
+
+    def __enter__(self):
+        self.pending, self.old = False, None
+        if threading.current_thread() is threading.main_thread():
+            old = signal.getsignal(signal.SIGINT)
+            if old is not None:  # None: a handler not set from Python, which we could not restore
+                self.old = old
+                signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def _hold(self, signum, frame):
+        self.pending = True
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+            if self.pending:
+                signal.raise_signal(signal.SIGINT)
+        return False
 
 
 class _nullctx:
