@@ -317,9 +317,16 @@ def measure_sparsity(model, sequences: torch.Tensor, *, batch_size: int = 4, max
 
 
 # ----------------------------------------------------------------------------- export
-def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: dict | None = None):
+def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: dict | None = None,
+           export_format: str = "wide"):
     """Write the deployable export of the run to ``out`` (atomic), with sparsity measured on
-    the held-out split. Returns the ExportResult."""
+    the held-out split; ``export_format`` is ``wide`` or ``hf`` (see ``export/writer.py``).
+    Returns the ExportResult.
+
+    Raises:
+        CheckpointError: the export cannot be written (disk full, permissions...); a previous
+            export at ``out`` is left untouched.
+    """
     import json
 
     from wide_cli.export.writer import export_model
@@ -358,7 +365,30 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
         "settings": settings.to_dict(),
         "metrics": metrics or {},
     }
-    return export_model(model, loaded.tokenizer, Path(out), wide_config=wide_config)
+    try:
+        return export_model(model, loaded.tokenizer, Path(out), wide_config=wide_config, export_format=export_format)
+    except Exception as e:  # only failed writes are turned into a user error; the rest propagates
+        reason = _write_failure(e)
+        if reason is None:
+            raise
+        raise CheckpointError(
+            f"cannot write the export to {out}: {reason}",
+            "free disk space or choose another --out, then re-run `wide export`; any previous export there is "
+            "untouched",
+        ) from e
+
+
+def _write_failure(e: Exception) -> str | None:
+    """The OS reason of a failed write (disk full, file too large, permissions), else None.
+
+    safetensors reports its own write errors as ``SafetensorError("... I/O error: <reason> (os
+    error N)")``, not as OSError.
+    """
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    if type(e).__name__ == "SafetensorError" and "I/O error: " in str(e):
+        return str(e).split("I/O error: ", 1)[1]
+    return None
 
 
 # ----------------------------------------------------------------------------- evaluate
