@@ -126,19 +126,27 @@ def train_cmd(
 def export_cmd(
     run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory with trained routers.")],
     out: o.OutOpt = None,
+    export_format: Annotated[str, typer.Option(
+        "--format", help="wide (default: base config + routers.safetensors, for wide's loaders) | "
+        "hf (loads in plain transformers with trust_remote_code; static width physically smaller).")] = "wide",
     json_out: o.JsonOpt = False,
 ):
-    """Stage 3/4: write the deployable export (weights, routers, wide_config, manifest)."""
+    """Stage 3/4: write the deployable export (weights, routers, wide_config, model card, manifest)."""
     from wide_cli.cli import render
     from wide_cli.cli.setup import quiet_libraries
     from wide_cli.pipeline import stages
     from wide_cli.pipeline.rundir import run_lock
 
+    from wide_cli.errors import ConfigError
+    from wide_cli.export.writer import EXPORT_FORMATS
+
+    if export_format not in EXPORT_FORMATS:
+        raise ConfigError(f"--format {export_format!r} unknown", f"choose one of {', '.join(EXPORT_FORMATS)}")
     run, settings = _settings_for_run(run_dir, None, {})
     quiet_libraries()
     dest = out or run.default_export
     with run_lock(run):
-        res = stages.export(settings, run, dest)
+        res = stages.export(settings, run, dest, export_format=export_format)
     render.log(f"exported {len(res.files)} files ({res.bytes / 1e6:.1f} MB) to {res.path}")
     if json_out:
         render.emit_json({"export_dir": str(res.path), "files": res.files, "bytes": res.bytes,
