@@ -234,20 +234,17 @@ def load_hf_export(path, *, dtype: torch.dtype = torch.float32, device="cpu", ve
     from transformers import AutoModelForCausalLM
 
     from wide_cli.errors import CheckpointError
-    from wide_cli.export.loader import PrunedModel, read_wide_config
+    from safetensors import SafetensorError
+
+    from wide_cli.export.loader import PrunedModel, check_manifest_owner, read_wide_config, unreadable_weights
     from wide_cli.export.manifest import verify_manifest
     from wide_cli.models.loader import load_tokenizer
 
     path = Path(path)
-    wcfg = read_wide_config(path)
     if verify:
-        manifest = verify_manifest(path)
-        if manifest.get("export_id") != wcfg.get("export_id"):
-            raise CheckpointError(
-                f"{path / 'manifest.json'} belongs to another export "
-                f"({manifest.get('export_id')} != {wcfg.get('export_id')})",
-                "re-run `wide export`",
-            )
+        check_manifest_owner(path)
+        verify_manifest(path)
+    wcfg = read_wide_config(path)
     try:
         tokenizer = load_tokenizer(path)
     except (OSError, ValueError) as e:
@@ -258,8 +255,11 @@ def load_hf_export(path, *, dtype: torch.dtype = torch.float32, device="cpu", ve
             model, info = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, trust_remote_code=True, local_files_only=True, output_loading_info=True
             )
-    except (OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"cannot load the weights of {path}: {e}", "re-run `wide export`") from None
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+        bad = unreadable_weights(path)
+        raise CheckpointError(
+            f"cannot load the weights of {path}: {bad + ': ' if bad else ''}{e}", "re-run `wide export`"
+        ) from None
     bad = {k: sorted(map(str, info.get(k) or [])) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if any(bad.values()):
         raise CheckpointError(

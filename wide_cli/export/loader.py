@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from wide_cli.errors import CheckpointError
 from wide_cli.export.manifest import verify_manifest
@@ -46,6 +47,38 @@ def read_wide_config(path: Path) -> dict:
         raise CheckpointError(f"{p} is missing: not a wide export", "export one with `wide export`") from None
     except ValueError as e:
         raise CheckpointError(f"{p} is not valid JSON ({e})", "re-run `wide export`") from None
+
+
+def check_manifest_owner(path: Path) -> None:
+    """Refuse a ``manifest.json`` copied from another export, naming the manifest (checked
+    before the files, whose hashes would otherwise point at an innocent file).
+
+    Raises:
+        CheckpointError: the manifest's ``export_id`` differs from ``wide_config.json``'s.
+    """
+    path = Path(path)
+    try:
+        mid = json.loads((path / "manifest.json").read_text()).get("export_id")
+        wid = json.loads((path / WIDE_CONFIG).read_text()).get("export_id")
+    except (OSError, ValueError, AttributeError):
+        return  # missing / unreadable: verify_manifest and read_wide_config name the file
+    if mid != wid:
+        raise CheckpointError(
+            f"{path / 'manifest.json'} belongs to another export ({mid} != {wid})", "re-run `wide export`"
+        )
+
+
+def unreadable_weights(path: Path) -> str | None:
+    """Name of the first ``*.safetensors`` file in ``path`` whose header cannot be read, or None."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except Exception:  # SafetensorError, OSError: either way this is the file to name
+            return f.name
+    return None
 
 
 def routing_config_from(wide_config: dict) -> RoutingConfig:
@@ -94,14 +127,9 @@ def load_pruned(
 
     path = Path(path)
     if verify:
-        manifest = verify_manifest(path)
+        check_manifest_owner(path)
+        verify_manifest(path)
     wcfg = read_wide_config(path)
-    if verify and manifest.get("export_id") != wcfg.get("export_id"):
-        raise CheckpointError(
-            f"{path / 'manifest.json'} belongs to another export "
-            f"({manifest.get('export_id')} != {wcfg.get('export_id')})",
-            "re-run `wide export`",
-        )
     from wide_cli.models.loader import load_tokenizer
 
     try:
@@ -112,8 +140,11 @@ def load_pruned(
         model, info = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, output_loading_info=True, local_files_only=True
         )
-    except (OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"cannot load the weights of {path}: {e}", "re-run `wide export`") from None
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+        bad = unreadable_weights(path)
+        raise CheckpointError(
+            f"cannot load the weights of {path}: {bad + ': ' if bad else ''}{e}", "re-run `wide export`"
+        ) from None
     missing = sorted(info.get("missing_keys") or [])
     unexpected = sorted(info.get("unexpected_keys") or [])
     mismatched = sorted(str(k) for k in (info.get("mismatched_keys") or []))
