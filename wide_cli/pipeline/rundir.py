@@ -89,30 +89,53 @@ def run_lock(run: RunDir):
     run.root.mkdir(parents=True, exist_ok=True)
     path = run.root / LOCK
     for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        if _create_lock(path):
             break
-        except FileExistsError:
-            try:
-                pid = int(path.read_text().strip() or 0)
-            except (ValueError, OSError):
-                pid = 0
-            if pid and pid != os.getpid() and _alive(pid):
-                raise CheckpointError(
-                    f"run dir {run.root} is in use by process {pid}",
-                    "wait for it to finish or use another --run-dir",
-                ) from None
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+        try:
+            pid = int(path.read_text().strip() or 0)
+        except (ValueError, OSError):
+            pid = 0
+        if pid and pid != os.getpid() and _alive(pid):
+            raise CheckpointError(
+                f"run dir {run.root} is in use by process {pid}",
+                "wait for it to finish or use another --run-dir",
+            ) from None
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
     else:
         raise CheckpointError(f"cannot lock run dir {run.root}")
     try:
-        os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
         yield
     finally:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
+
+def _create_lock(path: Path) -> bool:
+    """Create ``path`` holding our pid, atomically: the lock never exists empty, so another
+    process can never mistake a lock being written for a stale one. False if it exists.
+
+    The pid goes to a private temp file that is hard-linked to ``path`` (``link`` fails if the
+    target exists). Filesystems without hard links fall back to O_EXCL create + write.
+    """
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(str(os.getpid()))
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # no hard links here
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return False
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
 
 
 def _alive(pid: int) -> bool:
