@@ -297,3 +297,18 @@ def test_compact_static_keeps_kv_and_drops_only_removed_rows():
     assert out["model.layers.0.self_attn.o_proj.weight"][0].tolist() == [4, 5, 6, 7]
     assert out["model.layers.0.mlp.down_proj.weight"].tolist() == [[0, 1]]
     assert out["model.layers.0.self_attn.k_proj.weight"] is t["model.layers.0.self_attn.k_proj.weight"]
+
+
+@pytest.mark.parametrize("fmt", ["wide", "hf"])
+def test_export_is_readable_by_other_users_per_umask(tmp_path, fmt):
+    """A deployable export is read by other users / services: the directory and every file get
+    the usual permissions (umask), not the private 0700 / 0600 of temp files."""
+    model, cfg = _routed()
+    old = os.umask(0o022)
+    try:
+        out = _export(model, cfg, tmp_path / f"perm_{fmt}", fmt).path
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o755
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert set(modes.values()) == {0o644}, modes
