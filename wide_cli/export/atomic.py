@@ -19,6 +19,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp makes it 0600; others may read it
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -44,7 +45,11 @@ def atomic_directory(final: Path):
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; an export is read by other users
         yield tmp
+        mask = _umask()
+        for q in tmp.rglob("*"):  # writers (safetensors, mkstemp) create private 0600 files
+            os.chmod(q, (0o777 if q.is_dir() else 0o666) & ~mask)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -56,3 +61,17 @@ def atomic_directory(final: Path):
     os.replace(tmp, final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+    """The process umask: from /proc (Linux) without changing it, else by setting and restoring."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
