@@ -164,8 +164,8 @@ def write_hf(model, tokenizer, dest: Path, *, export_id: str, max_shard_size: st
     """Write the hf-format files of a routed model (``model.wide_routing`` set) into ``dest``
     (the writer's temp directory; README, wide_config and manifest are added by the caller).
 
-    Returns a summary for ``wide_config.json``: ``{"static": {kept_heads, intermediate_sizes}}``
-    for static width, else ``{}``.
+    Returns a summary for ``wide_config.json``: for static width ``{"static": {kept_heads,
+    intermediate_sizes, kept_groups: {attention: [[g, ...] per layer], ffn: [...]}}}``, else ``{}``.
     """
     from wide_cli.export.writer import backbone_state_dict
     from wide_cli.routing.model import router_state_dict
@@ -179,16 +179,24 @@ def write_hf(model, tokenizer, dest: Path, *, export_id: str, max_shard_size: st
     info: dict = {}
     kept_heads = inter = None
     if cfg.method == "static-width":
+        keep = static_keep_masks(model)
         backbone, kept_heads, inter = compact_static(
             backbone,
-            static_keep_masks(model),
+            keep,
             num_layers=state.shape.num_layers,
             head_dim=state.shape.head_dim,
             attn_group_size=layout.attn_group_size,
             ffn_group_size=layout.ffn_group_size,
         )
         tensors = backbone
-        info["static"] = {"kept_heads": kept_heads, "intermediate_sizes": inter}
+        info["static"] = {
+            "kept_heads": kept_heads,
+            "intermediate_sizes": inter,
+            "kept_groups": {
+                m: [keep[(i, m)].nonzero().flatten().tolist() for i in range(state.shape.num_layers)]
+                for m in ("attention", "ffn")
+            },
+        }
     else:
         tensors = {**backbone, **router_state_dict(model)}
     tensors = _unshare(tensors)
