@@ -40,6 +40,12 @@ def _copy(exports, fmt, tmp_path):
     return shutil.copytree(exports[fmt], tmp_path / f"x_{fmt}")
 
 
+def _short(msg, out) -> str:
+    """The message without the export's temp path, cut to fit the summary table."""
+    s = str(msg).replace(f"{out}/", "").replace(str(out), "<export>")
+    return s if len(s) <= 75 else s[:74] + "…"
+
+
 def _truncate(p):
     p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
 
@@ -70,7 +76,7 @@ def test_damaged_file_is_refused_naming_it(tmp_path, exports, fault, fmt, name, 
     with pytest.raises(CheckpointError, match=f"{name} {message}") as e:
         LOADERS[fmt](out)
     how = {"_truncate": "truncated", "_flip": "bit-flipped"}.get(damage.__name__, "missing")
-    fault(f"{how} {name} ({fmt})", f"refused: {str(e.value)[:80]}...", True)
+    fault(f"{how} {name} ({fmt})", "refused: " + _short(e.value, out), True)
 
 
 @pytest.mark.parametrize("fmt", ["wide", "hf"])
@@ -79,7 +85,7 @@ def test_truncated_weights_refused_even_without_the_manifest_check(tmp_path, exp
     _truncate(out / "model.safetensors")
     with pytest.raises(CheckpointError, match="cannot load the weights of .*: model.safetensors: ") as e:
         LOADERS[fmt](out, verify=False)
-    fault(f"truncated model.safetensors, verify=False ({fmt})", f"refused: {str(e.value)[:80]}...", True)
+    fault(f"truncated model.safetensors, verify=False ({fmt})", "refused: " + _short(e.value, out), True)
 
 
 def test_manifest_from_another_export_is_refused(tmp_path, exports, fault):
@@ -88,7 +94,7 @@ def test_manifest_from_another_export_is_refused(tmp_path, exports, fault):
         shutil.copy(exports["other"] / "manifest.json", out / "manifest.json")
         with pytest.raises(CheckpointError, match="manifest.json belongs to another export") as e:
             LOADERS[fmt](out)
-    fault("manifest from another export", f"refused: {str(e.value)[:80]}...", True)
+    fault("manifest from another export", "refused: " + _short(e.value, out), True)
 
 
 def test_inspect_refuses_a_damaged_export_in_one_line(tmp_path, exports, capsys, fault):
@@ -98,5 +104,5 @@ def test_inspect_refuses_a_damaged_export_in_one_line(tmp_path, exports, capsys,
     _flip(out / "model.safetensors")
     code = main(["inspect", str(out)])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
-    fault("bit-flipped weights under `wide inspect`", f"exit {code}: {err[-1][:80] if err else ''}...", True)
+    fault("bit-flipped weights under `wide inspect`", f"exit {code}: " + _short(err[-1] if err else "", out), True)
     assert code == 2 and len(err) == 1 and "model.safetensors fails its sha256 check" in err[0]
