@@ -72,6 +72,7 @@ def pytest_terminal_summary(terminalreporter):
     tr.write_line(f"{'fault':<{w0}}  {'outcome':<{w1}}  data intact")
     tr.write_line(f"{'-' * w0}  {'-' * w1}  -----------")
     for name, out, intact in rows:
+        out = out if len(out) <= w1 else out[: w1 - 1] + "…"
         tr.write_line(f"{name:<{w0}}  {out:<{w1}}  {intact}")
 
 

@@ -44,7 +44,8 @@ def test_disk_full_while_writing_export(tmp_path, wide, trained_run, monkeypatch
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     errors = [line for line in err if line.startswith("error: ")]
     intact = _snapshot(out) == before and sorted(p.name for p in out.parent.iterdir()) == ["out"]
-    fault(f"disk full while writing an export ({fmt})", f"exit {code}: {errors[-1] if errors else err[-1:]}", intact)
+    shown = (errors[-1] if errors else str(err[-1:])).replace(str(out), "<export>")
+    fault(f"disk full while writing an export ({fmt})", f"exit {code}: {shown}", intact)
     assert code == 2 and len(errors) == 1 and errors[0] == err[-1]
     assert "No space left on device" in errors[0] and str(out) in errors[0]
     assert intact
@@ -66,7 +67,8 @@ def test_file_size_limit_while_writing_export(tmp_path, wide, trained_run, fault
     rc, p = wide.run(["export", "--run-dir", str(run), "--out", str(out)], preexec_fn=_limit_file_size)
     errors = p.errors()
     intact = _snapshot(out) == before and sorted(q.name for q in out.parent.iterdir()) == ["out"]
-    fault("file-size limit (EFBIG) in a real export", f"exit {rc}: {errors[-1] if errors else p.tail(2)}", intact)
+    shown = (errors[-1] if errors else p.tail(2)).replace(str(out), "<export>")
+    fault("file-size limit (EFBIG) in a real export", f"exit {rc}: {shown}", intact)
     assert rc == 2 and len(errors) == 1 and p.lines[-1] == errors[0], p.tail()
     assert "File too large" in errors[0] and str(out) in errors[0]
     assert intact
