@@ -225,7 +225,7 @@ def test_loads_where_wide_is_not_importable(tmp_path):
     # -I: no PYTHONPATH, no cwd / script dir, no user site; -S: no .pth files (the editable
     # install of wide is a .pth import hook), site-packages is added back by hand above.
     r = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, env=env,
-                       cwd=tmp_path, timeout=300)
+                       cwd=tmp_path, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     got = torch.tensor(json.loads(r.stdout.strip().splitlines()[-1]))
     with torch.no_grad():
@@ -279,7 +279,7 @@ def test_static_width_hf_is_physically_smaller_and_matches_masked_model(tmp_path
             assert tuple(f.get_tensor("model.layers.1.self_attn.q_proj.bias").shape) == (3 * d,)
         if kind == "qwen3":
             assert tuple(f.get_tensor("model.layers.0.self_attn.q_norm.weight").shape) == (d,)
-        assert not any(".router_" in k for k in f.keys())
+        assert not any(".router_" in k for k in f.keys())  # noqa: SIM118 (safe_open is not a dict)
     assert (hf / "model.safetensors").stat().st_size < 0.8 * (wide / "model.safetensors").stat().st_size
 
 

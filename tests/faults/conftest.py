@@ -88,13 +88,13 @@ def wide_env() -> dict:
 class WideProcess:
     """A ``python -m wide_cli ...`` child whose stderr lines are collected by a thread."""
 
-    def __init__(self, args: list[str], *, code: str | None = None, cwd=None, preexec_fn=None):
+    def __init__(self, args: list[str], *, code: str | None = None, cwd=None):
         import tempfile
 
         cwd = cwd or tempfile.gettempdir()  # never the repository: a stray relative path lands there
         cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "wide_cli", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=wide_env(),
-                                     cwd=cwd, preexec_fn=preexec_fn)
+                                     cwd=cwd)
         self.lines: list[str] = []
         self.stdout = ""
         self._t = threading.Thread(target=self._drain, daemon=True)

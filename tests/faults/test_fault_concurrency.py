@@ -8,7 +8,6 @@ import os
 import textwrap
 import time
 
-
 # `wide export` that pauses just before writing its manifest until a release file appears:
 # the run lock is held for as long as the test needs, deterministically.
 _PAUSED_EXPORT = textwrap.dedent("""

@@ -52,10 +52,6 @@ def test_disk_full_while_writing_export(tmp_path, wide, trained_run, monkeypatch
     _load(out, fmt)
 
 
-def _limit_file_size():  # runs in the child before exec; Python itself ignores SIGXFSZ
-    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
-
-
 def test_file_size_limit_while_writing_export(tmp_path, wide, trained_run, fault):
     """A real failing write (RLIMIT_FSIZE: the kernel refuses bytes past 64 KiB with EFBIG) in a
     real `wide export`: the weights file (~400 KiB) cannot be written."""
@@ -64,7 +60,11 @@ def test_file_size_limit_while_writing_export(tmp_path, wide, trained_run, fault
     rc, p = wide.run(["export", "--run-dir", str(run), "--out", str(out)])
     assert rc == 0, p.tail()
     before = _snapshot(out)
-    rc, p = wide.run(["export", "--run-dir", str(run), "--out", str(out)], preexec_fn=_limit_file_size)
+    p = wide.Process(["export", "--run-dir", str(run), "--out", str(out)])
+    # set on the running child (seconds before its first write; Python ignores SIGXFSZ, so the
+    # write fails with EFBIG instead of killing it)
+    resource.prlimit(p.proc.pid, resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+    rc = p.finish()
     errors = p.errors()
     intact = _snapshot(out) == before and sorted(q.name for q in out.parent.iterdir()) == ["out"]
     shown = (errors[-1] if errors else p.tail(2)).replace(str(out), "<export>")

@@ -239,11 +239,10 @@ def load_hf_export(path, *, dtype: torch.dtype = torch.float32, device="cpu", ve
     """
     import warnings
 
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     from wide_cli.errors import CheckpointError
-    from safetensors import SafetensorError
-
     from wide_cli.export.loader import PrunedModel, check_manifest_owner, read_wide_config, unreadable_weights
     from wide_cli.export.manifest import verify_manifest
     from wide_cli.models.loader import load_tokenizer

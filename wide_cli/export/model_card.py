@@ -119,11 +119,11 @@ def render_model_card(wc: dict, *, export_format: str, name: str, files: dict[st
     front += ["tags:", "- wide", *([f"- {method}"] if method != "wide" else []), "- pruning", "---", ""]
     lines = front + [f"# {name}: {method} export of `{spec}`", ""]
     lines += [
-        f"Made with wide {wc.get('wide_version', '?')} on {wc.get('created', '?')} "
-        f"(export id `{wc.get('export_id', '?')}`, format `{export_format}`).",
+        (f"Made with wide {wc.get('wide_version', '?')} on {wc.get('created', '?')} "
+         f"(export id `{wc.get('export_id', '?')}`, format `{export_format}`)."),
         "",
-        f"- Base model: `{spec}`" + (f" ({src['resolved']})" if src.get("resolved") else "")
-        + (f", revision `{src['revision']}`" if src.get("revision") else ""),
+        (f"- Base model: `{spec}`" + (f" ({src['resolved']})" if src.get("resolved") else "")
+         + (f", revision `{src['revision']}`" if src.get("revision") else "")),
         f"- Method: {_METHOD_TEXT.get(method, method)}.",
     ]
     if export_format == "hf" and wc.get("static"):
@@ -180,8 +180,8 @@ def render_model_card(wc: dict, *, export_format: str, name: str, files: dict[st
             "```",
             "",
             f"lm-evaluation-harness: `lm_eval --model hf --model_args pretrained={name},trust_remote_code=True ...`.",
-            "Routing is deterministic at inference (a group runs iff its execute logit >= its skip logit). "
-            "`model.wide_routing.trace = []` before a forward records which groups each token used.",
+            ("Routing is deterministic at inference (a group runs iff its execute logit >= its skip logit). "
+             "`model.wide_routing.trace = []` before a forward records which groups each token used."),
         ]
     else:
         lines += [
@@ -193,10 +193,10 @@ def render_model_card(wc: dict, *, export_format: str, name: str, files: dict[st
             "",
             f"Inspect it with `wide inspect {name}`.",
             "",
-            "With plain transformers: `config.json` and the weights are the base model's, so "
-            f'`AutoModelForCausalLM.from_pretrained("{name}")` loads the **dense backbone only** '
-            "(the routers in `routers.safetensors` are ignored: no token skips anything). "
-            "To run the routed model without wide, export with `wide export --format hf`.",
+            ("With plain transformers: `config.json` and the weights are the base model's, so "
+             f'`AutoModelForCausalLM.from_pretrained("{name}")` loads the **dense backbone only** '
+             "(the routers in `routers.safetensors` are ignored: no token skips anything). "
+             "To run the routed model without wide, export with `wide export --format hf`."),
         ]
     if files:
         lines += ["", "## Files", ""] + _table(

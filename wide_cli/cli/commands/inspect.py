@@ -4,7 +4,7 @@ a PNG plot, and a per-token heat-map of the groups a --prompt used."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -13,13 +13,13 @@ from wide_cli.cli import options as o
 
 def inspect_cmd(
     export: Annotated[Path, typer.Argument(help="Export directory (wide or hf format).")],
-    text: Annotated[Optional[Path], typer.Option(
+    text: Annotated[Path | None, typer.Option(
         "--text", help="Measure sparsity on this text file (default: the measurement stored at export).")] = None,
-    prompt: Annotated[Optional[str], typer.Option(
+    prompt: Annotated[str | None, typer.Option(
         "--prompt", help="Show which head groups / channel groups each token of PROMPT used.")] = None,
-    layer: Annotated[Optional[int], typer.Option(
+    layer: Annotated[int | None, typer.Option(
         "--layer", help="Layer of the --prompt heat-map (default: all layers summarised).")] = None,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of per-layer attention/FFN sparsity.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of per-layer attention/FFN sparsity.")] = None,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Window length for --text, tokens.")] = 256,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens of --text to measure at most.")] = 8192,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check manifest.json hashes first.")] = True,
