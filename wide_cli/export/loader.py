@@ -76,7 +76,7 @@ def unreadable_weights(path: Path) -> str | None:
         try:
             with safe_open(str(f), "pt"):
                 pass
-        except Exception:  # SafetensorError, OSError: either way this is the file to name
+        except (SafetensorError, OSError):  # either way this is the file to name
             return f.name
     return None
 
