@@ -40,6 +40,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "seed": ("train", "seed"),
     "checkpoint_every": ("train", "checkpoint_every"),
     "dtype": ("model", "dtype"),
+    "train_dtype": ("train", "dtype"),
     "device": ("model", "device"),
     "router_init": ("run", "router_init"),
     "eval_seq_len": ("eval", "seq_len"),
@@ -76,6 +77,7 @@ Lr = Annotated[Optional[float], typer.Option("--lr", help="Router learning rate 
 Seed = Annotated[Optional[int], typer.Option("--seed", help="Seed for data order, Gumbel noise and init.")]
 CheckpointEvery = Annotated[Optional[int], typer.Option("--checkpoint-every", help="Steps between checkpoints.")]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="fp32 | bf16 | fp16 (fp16 on CPU is upcast to fp32).")]
+TrainDtype = Annotated[Optional[str], typer.Option("--train-dtype", help="Training autocast: fp32 | bf16 | fp16 (CUDA).")]
 Device = Annotated[Optional[str], typer.Option("--device", help="cpu | cuda | cuda:N.")]
 RouterInit = Annotated[Optional[str], typer.Option("--router-init", help="default | calibration.")]
 EvalSeqLen = Annotated[Optional[int], typer.Option("--eval-seq-len", help="Perplexity window length (default: --seq-len).")]

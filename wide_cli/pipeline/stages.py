@@ -36,7 +36,11 @@ def effective_settings(settings: Settings) -> Settings:
             UserWarning,
             stacklevel=2,
         )
-        return settings.replace("model", dtype="fp32")
+        settings = settings.replace("model", dtype="fp32")
+    if settings.train.dtype == "fp16" and not str(settings.model.device).startswith("cuda"):
+        warnings.warn("fp16 training autocast needs CUDA; training in fp32 on CPU (use --train-dtype bf16)",
+                      UserWarning, stacklevel=2)
+        settings = settings.replace("train", dtype="fp32")
     return settings
 
 

@@ -181,12 +181,15 @@ def train_stage(
     state.world, state.rank = world, rank
     model.train()
     state.set_mode("gumbel")
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float16)
-        if device.type == "cuda" and cfg.dtype in ("bf16", "fp16")
-        else None
-    )
-    scaler = torch.amp.GradScaler("cuda") if autocast is not None and cfg.dtype == "fp16" else None
+    # Mixed precision: bf16/fp16 autocast on CUDA; bf16 autocast on CPU (fast where the CPU has
+    # bf16 matrix units, e.g. AMX). Trainable parameters and optimizer state stay fp32 (B11).
+    if device.type == "cuda" and cfg.dtype in ("bf16", "fp16"):
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float16)
+    elif device.type == "cpu" and cfg.dtype == "bf16":
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    else:
+        autocast = None
+    scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and cfg.dtype == "fp16" else None
 
     def rng_snapshot():
         return {"gumbel": gen.get_state(), "torch": torch.get_rng_state()}

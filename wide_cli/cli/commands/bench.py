@@ -66,7 +66,7 @@ def bench_cmd(
     systems: Annotated[str | None, typer.Option("--systems", help="hf,dense,reference,cpu (and cupy on a GPU).")] = None,
     dense_backend: Annotated[str | None, typer.Option("--dense-backend", help="Backend of the `dense` system (default cpu).")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="fp32 | bf16 (default fp32).")] = None,
-    threads: Annotated[int | None, typer.Option("--threads", help="Torch CPU threads (default: torch's).")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", help="Torch CPU threads for every system (default 1, reproducible on shared CPUs; 0 = torch's default).")] = None,
     forced_sparsity: Annotated[float | None, typer.Option("--forced-sparsity", help="Replace routers by random masks skipping this fraction (label the results).")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Prompt offsets and forced masks (default 0).")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="Small shapes, one round (explicit flags still win).")] = False,

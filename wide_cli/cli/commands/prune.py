@@ -30,6 +30,7 @@ def prune_cmd(
     seed: o.Seed = None,
     checkpoint_every: o.CheckpointEvery = None,
     dtype: o.Dtype = None,
+    train_dtype: o.TrainDtype = None,
     device: o.Device = None,
     router_init: o.RouterInit = None,
     eval_seq_len: o.EvalSeqLen = None,

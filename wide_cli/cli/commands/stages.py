@@ -88,6 +88,7 @@ def train_cmd(
     tau_end: o.TauEnd = None,
     sparsity_weight: o.SparsityWeight = None,
     checkpoint_every: o.CheckpointEvery = None,
+    train_dtype: o.TrainDtype = None,
     router_init: o.RouterInit = None,
     lora_steps: o.LoraSteps = None,
     lora_lr: o.LoraLr = None,
