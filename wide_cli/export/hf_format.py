@@ -110,7 +110,8 @@ def hf_config_dict(config, routing: dict, layout: dict, *, kept_heads=None, inte
     """
     mt = config.model_type
     prefix = ARCH_PREFIX[mt]
-    d = config.to_dict()
+    d = config.to_diff_dict()  # what save_pretrained writes: the non-default fields
+    d.pop("_name_or_path", None)  # a local path of the machine that exported it
     d.update(
         architectures=[f"Wide{prefix}ForCausalLM"],
         model_type=f"wide_{mt}",
