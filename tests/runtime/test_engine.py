@@ -40,11 +40,20 @@ SPARSITY_CASES = {
 }
 
 
+MODEL_CASES = {
+    "llama-kv-aligned": ("llama", 2, {}),
+    "qwen3-one-head-groups": ("qwen3", 1, {}),
+    # B01 (b): 6 query heads / 2 KV heads, groups of 2 heads straddle KV-group boundaries
+    "llama-straddling": ("llama", 2, {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2}),
+}
+
+
 @pytest.mark.parametrize("case", SPARSITY_CASES)
-@pytest.mark.parametrize("kind,ags", [("llama", 2), ("qwen3", 1)])
-def test_cpu_matches_reference_prefill_and_decode(case, kind, ags, prompts_ids):
+@pytest.mark.parametrize("model_case", MODEL_CASES)
+def test_cpu_matches_reference_prefill_and_decode(case, model_case, prompts_ids):
     routers, p = SPARSITY_CASES[case]
-    model = routed_model(kind, routers=routers, ags=ags)
+    kind, ags, over = MODEL_CASES[model_case]
+    model = routed_model(kind, routers=routers, ags=ags, **over)
     ref = Runtime.from_model(model, backend="reference")
     cpu = Runtime.from_model(model, backend="cpu")
     ids, mask = _left_pad(prompts_ids)

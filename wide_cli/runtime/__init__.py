@@ -1,5 +1,14 @@
-"""The inference runtime: loads an exported checkpoint and runs routed prefill/decode with a KV
-cache, skipping routed work for real (DESIGN.md §3).
+"""The inference runtime: loads an exported checkpoint and runs routed prefill/decode with its own
+KV cache, skipping routed work for real (DESIGN.md §3).
 
-Operators (the kernel contract) live in ``runtime/ops.py``; backends in ``runtime/backend.py``.
+- ``ops.py``: the routed operators (PyTorch references; the contract every backend implements).
+- ``backend.py``: the ``Backend`` protocol, the ``BACKENDS`` table, backend-neutral weights and
+  the strict checkpoint reader.
+- ``reference.py`` (masking oracle), ``cpu.py`` (work-skipping PyTorch); ``cupy_backend.py`` is
+  imported lazily through ``BACKENDS``.
+- ``engine.py``: ``Runtime`` (prefill, decode, generate); ``kv_cache.py``; ``sampling.py``;
+  ``bench.py`` (``wide bench``).
+
+Importing this package does not import torch-heavy modules: use ``from wide_cli.runtime.engine
+import Runtime``.
 """

@@ -42,7 +42,10 @@ class BenchConfig:
         systems: ``hf``, ``dense`` (runtime, routing off, on ``dense_backend``) and backend names.
         dense_backend: backend of the ``dense`` system.
         dtype: ``fp32`` / ``bf16`` (None = fp32).
-        threads: torch intra-op threads (None = torch's default).
+        threads: torch intra-op threads for every system (0 = torch's default). The default is 1:
+            on a shared CPU, OpenMP barriers stall whenever another process holds a core (measured
+            on the 2-core dev box: decode steps of 30 ms turned into 300 ms with 2 threads under
+            load), which makes multi-threaded numbers measure the neighbours, not the code.
         forced_sparsity: replace the routers by random per-token masks skipping this fraction of
             groups (for models without trained routers; reported in the output).
         seed: prompt offsets and forced masks.
@@ -57,7 +60,7 @@ class BenchConfig:
     systems: tuple[str, ...] = ("hf", "dense", "reference", "cpu")
     dense_backend: str = "cpu"
     dtype: str | None = None
-    threads: int | None = None
+    threads: int = 1
     forced_sparsity: float | None = None
     seed: int = 0
 
@@ -73,6 +76,8 @@ class BenchConfig:
         for name in ("new_tokens", "decode_prompt_len", "repeats"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
+        if self.threads < 0:
+            raise ConfigError(f"threads {self.threads} must be >= 0 (0 = torch's default)")
         if self.warmup < 0:
             raise ConfigError(f"warmup {self.warmup} must be >= 0")
         if any(n < 1 for n in (*self.prefill_lengths, *self.decode_batches)):
@@ -287,7 +292,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
 
     log = log or (lambda msg: None)
     path = Path(path)
-    if cfg.threads is not None:
+    if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     dtype = resolve_dtype(cfg.dtype)
     weights = weights_from_export(path)

@@ -107,7 +107,7 @@ def bench_cmd(
     if json_out:
         render.emit_json(doc)
         return
-    render.err.print(bench_table(doc))
+    render.err.print(bench_table(doc), width=max(render.err.width, 120))
     for note in doc["notes"]:
         render.log(f"note: {note}")
     if json_file is not None:
