@@ -45,7 +45,7 @@ def test_every_flag_reaches_the_library(monkeypatch, tmp_path):
                     "seq_len": 256, "stride": 128, "batch_size": 3, "dtype": "bf16", "device": "cpu",
                     "eval_data": text, "out_dir": tmp_path / "o"}
     assert json.loads(r.stdout)["schema"] == "wide.eval.report"
-    params = set(inspect.signature(eval_cmd).parameters) - {"json_out"}
+    params = set(inspect.signature(eval_cmd).parameters) - {"json_out", "run_dir"}  # run_dir: tests/cli
     assert params == {"targets", "tasks", "data_dir", "limit", "seq_len", "stride", "batch_size", "dtype",
                       "device", "eval_data", "out"}
 
