@@ -43,6 +43,7 @@ SPARSITY_CASES = {
 MODEL_CASES = {
     "llama-kv-aligned": ("llama", 2, {}),
     "qwen3-one-head-groups": ("qwen3", 1, {}),
+    "qwen2-biases": ("qwen2", 2, {}),  # B15: q/k/v biases on the decode fast path too
     # B01 (b): 6 query heads / 2 KV heads, groups of 2 heads straddle KV-group boundaries
     "llama-straddling": ("llama", 2, {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2}),
 }

@@ -31,7 +31,7 @@ at 1024 prefill tokens and 50 % masks, mask reordering takes 101 ms vs 170 ms de
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -410,6 +410,77 @@ class _CpuLayer:
     w_down_t: torch.Tensor  # [F, D]
     attn_cols: int  # heads per group * d
     ffn_group_size: int
+    # Weight views of runs of groups, built on first use (at most G (G + 1) / 2 per table): the
+    # decode hot path then calls one BLAS routine per run and slices nothing.
+    _views: dict = field(default_factory=dict, repr=False)
+
+    def view(self, kind: str, s: int, e: int):
+        key = (kind, s, e)
+        v = self._views.get(key)
+        if v is None:
+            c, g = self.attn_cols, self.ffn_group_size
+            if kind == "q":  # (W [n, D], bias [n] or None) for addmv
+                b = None if self.bqkv is None else self.bqkv[s * c : e * c]
+                v = (self.wqkv[s * c : e * c], b)
+            elif kind == "kv":  # dense K/V rows: (W [2 H_kv d, D], bias or None)
+                nq = self.q_rows
+                v = (self.wqkv[nq:], None if self.bqkv is None else self.bqkv[nq:])
+            elif kind == "o":  # [D, n] for addmv
+                v = self.wo_t[s * c : e * c].t()
+            elif kind == "gu":  # [n, D]
+                v = self.w_gu[s:e].view(-1, self.w_gu.shape[2])
+            else:  # "down": [D, n]
+                v = self.w_down_t[s * g : e * g].t()
+            self._views[key] = v
+        return v
+
+
+def _attn_in_one(p: _CpuLayer, x: torch.Tensor, runs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Routed Q + dense K/V for one token (``x [1, D]``): one GEMV per run of head groups."""
+    nq = p.q_rows
+    xv = x.reshape(-1)
+    wkv, bkv = p.view("kv", 0, 0)
+    kv = torch.mv(wkv, xv) if bkv is None else torch.addmv(bkv, wkv, xv)
+    q = torch.zeros(nq, dtype=x.dtype, device=x.device)
+    c = p.attn_cols
+    for s, e in runs:
+        w, b = p.view("q", s, e)
+        if b is None:
+            torch.mv(w, xv, out=q[s * c : e * c])
+        else:
+            torch.addmv(b, w, xv, out=q[s * c : e * c])
+    nkv = kv.shape[0] // 2
+    return q.view(1, -1), kv[:nkv].view(1, -1), kv[nkv:].view(1, -1)
+
+
+def _attn_out_one(p: _CpuLayer, o: torch.Tensor, runs) -> torch.Tensor:
+    """O projection of one token over the active runs of head groups: ``o [1, H d] -> [1, D]``."""
+    D = p.wo_t.shape[1]
+    out = torch.zeros(D, dtype=o.dtype, device=o.device) if p.bo is None else p.bo.clone()
+    ov = o.reshape(-1)
+    c = p.attn_cols
+    for s, e in runs:
+        out.addmv_(p.view("o", s, e), ov[s * c : e * c])
+    return out.view(1, D)
+
+
+def _ffn_one(p: _CpuLayer, x: torch.Tensor, runs) -> torch.Tensor:
+    """Routed SwiGLU FFN of one token: per run one GEMV into a shared gate/up buffer, one SwiGLU,
+    per run one GEMV of the down projection. ``x [1, D] -> [1, D]``."""
+    g = p.ffn_group_size
+    D = p.w_gu.shape[2]
+    sizes = [e - s for s, e in runs]
+    nact = sum(sizes)
+    xv = x.reshape(-1)
+    gu = torch.empty(nact * 2 * g, dtype=x.dtype, device=x.device)
+    for (s, e), piece in zip(runs, gu.split([k * 2 * g for k in sizes])):
+        torch.mv(p.view("gu", s, e), xv, out=piece)
+    gu = gu.view(nact, 2, g)
+    h = (F.silu(gu[:, 0]) * gu[:, 1]).view(-1)
+    out = torch.zeros(D, dtype=x.dtype, device=x.device)
+    for (s, e), piece in zip(runs, h.split([k * g for k in sizes])):
+        out.addmv_(p.view("down", s, e), piece)
+    return out.view(1, D)
 
 
 class CpuBackend:
@@ -454,6 +525,8 @@ class CpuBackend:
     def attn_in(self, p: _CpuLayer, x, mask):
         nq = p.q_rows
         plan = _plan(mask)
+        if plan[0] == "sparse" and x.shape[0] == 1:
+            return _attn_in_one(p, x, plan[1])
         if plan[0] == "dense":
             qkv = F.linear(x, p.wqkv, p.bqkv)
             kv = qkv[:, nq:]
@@ -468,10 +541,16 @@ class CpuBackend:
         return q, kv[:, :nkv], kv[:, nkv:]
 
     def attn_out(self, p: _CpuLayer, o, mask):
-        return gemm_k_rows(o, p.wo_t, mask, p.attn_cols, p.bo)
+        plan = _plan(mask)
+        if plan[0] == "sparse" and o.shape[0] == 1:
+            return _attn_out_one(p, o, plan[1])
+        return gemm_k_rows(o, p.wo_t, mask, p.attn_cols, p.bo, plan)
 
     def mlp(self, p: _CpuLayer, x, mask):
-        return ffn_grouped(x, p.w_gu, p.w_down_t, mask, p.ffn_group_size)
+        plan = _plan(mask)
+        if plan[0] == "sparse" and x.shape[0] == 1:
+            return _ffn_one(p, x, plan[1])
+        return ffn_grouped(x, p.w_gu, p.w_down_t, mask, p.ffn_group_size, plan)
 
     def attention_prefill(self, q, k, v, head_mask, *, key_valid, q_offset, scale, window):
         return attention_prefill(q, k, v, head_mask, key_valid=key_valid, q_offset=q_offset, scale=scale, window=window)
