@@ -197,6 +197,22 @@ def test_greedy_generation_equals_hf_generate(backend):
     assert single.tokens[0] == hf1[0, len(prompts[1]) :].tolist()
 
 
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+def test_chunked_prefill_equals_one_pass(padding_side):
+    model = routed_model("llama")
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(5, 100, (n,), generator=g).tolist() for n in (4, 11)]
+    for backend in ("cpu", "reference"):
+        rt = Runtime.from_model(model, backend=backend)
+        ids, valid = rt.batch(prompts, padding_side)
+        whole = rt.prefill(ids, valid, rt.new_cache(2, 11))
+        parts = rt.prefill(ids, valid, rt.new_cache(2, 11), chunk=3)
+        torch.testing.assert_close(parts, whole, atol=ATOL, rtol=0)
+        a = rt.generate(prompts, max_new_tokens=6, ignore_eos=True, padding_side=padding_side, prefill_chunk=3)
+        b = rt.generate(prompts, max_new_tokens=6, ignore_eos=True, padding_side=padding_side, prefill_chunk=None)
+        assert a.tokens == b.tokens
+
+
 # ----------------------------------------------------------------------------------------------
 # KV cache (B06): complete for every layer at every step; incremental == one full forward
 

@@ -438,6 +438,25 @@ class Runtime:
         out = F.linear(x, self.lm_head).float()
         return out[:, 0] if logits == "last" else out
 
+    def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor | None, cache: KVCache, *,
+                chunk: int | None = None) -> torch.Tensor:
+        """``step`` over a prompt in chunks of ``chunk`` tokens; returns ``[B, V]`` logits at each
+        row's last real token (a row whose last real token lies in an earlier chunk keeps that
+        chunk's logits: right padding)."""
+        T = input_ids.shape[1]
+        if chunk is None or chunk >= T:
+            return self.step(input_ids, valid, cache)
+        if chunk < 1:
+            raise ValueError(f"prefill chunk {chunk} must be >= 1")
+        if valid is None:
+            valid = torch.ones(input_ids.shape, dtype=torch.bool)
+        logits = None
+        for c0 in range(0, T, chunk):
+            v = valid[:, c0 : c0 + chunk].to(self.device)
+            new = self.step(input_ids[:, c0 : c0 + chunk], v, cache)
+            logits = new if logits is None else torch.where(v.any(dim=1)[:, None], new, logits)
+        return logits
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """One full pass with a fresh cache: ``[B, T]`` -> logits ``[B, T, V]`` fp32."""
         cache = self.new_cache(input_ids.shape[0], input_ids.shape[1])
@@ -483,6 +502,7 @@ class Runtime:
         ignore_eos: bool = False,
         padding_side: str = "left",
         on_text: Callable[[int, str], None] | None = None,
+        prefill_chunk: int | None = 2048,
     ) -> GenerationResult:
         """Generate continuations of a batch of prompts of any lengths.
 
@@ -494,6 +514,8 @@ class Runtime:
             ignore_eos: keep generating through EOS (benchmarks).
             padding_side: ``left`` or ``right``; results do not depend on it (B09).
             on_text: called as ``on_text(row, text_delta)`` while tokens stream in.
+            prefill_chunk: prompt tokens per forward (bounds activation memory of long prompts;
+                None = the whole prompt at once). Results do not depend on it.
         """
         sampling = sampling or SamplingConfig()
         if max_new_tokens < 1:
@@ -515,7 +537,7 @@ class Runtime:
         self.stats.reset()
 
         t0 = time.perf_counter()
-        logits = self.step(input_ids, valid, cache)
+        logits = self.prefill(input_ids, valid, cache, chunk=prefill_chunk)
         t_prefill = time.perf_counter() - t0
         pad = self._pad_id()
         t1 = time.perf_counter()
