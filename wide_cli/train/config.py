@@ -22,8 +22,9 @@ class TrainConfig:
         lr, weight_decay, warmup_frac, grad_clip: AdamW with cosine schedule.
         seed: data order, Gumbel noise and router init.
         checkpoint_every: optimizer steps between resumable checkpoints (0 = only at the end).
-        dtype: training compute dtype: ``fp32`` (no autocast), ``bf16`` (autocast on CPU and CUDA;
-            fast on CPUs with bf16 matrix units such as AMX), ``fp16`` (CUDA autocast + loss scaling).
+        dtype: training compute dtype: ``fp32``, ``bf16`` (CUDA: autocast; CPU: the frozen backbone is
+            cast to bf16 for training, fast with bf16 matrix units such as AMX), ``fp16`` (CUDA
+            autocast + loss scaling).
             Trainable parameters and optimizer state are fp32 in every case.
     """
 

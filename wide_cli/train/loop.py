@@ -185,10 +185,14 @@ def train_stage(
     # bf16 matrix units, e.g. AMX). Trainable parameters and optimizer state stay fp32 (B11).
     if device.type == "cuda" and cfg.dtype in ("bf16", "fp16"):
         autocast = torch.autocast("cuda", dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float16)
-    elif device.type == "cpu" and cfg.dtype == "bf16":
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
     else:
         autocast = None
+        if device.type == "cpu" and cfg.dtype == "bf16":
+            # CPU autocast would re-cast every frozen weight on every forward (a quarter of the step
+            # time); the frozen backbone is cast to bf16 once instead. Trainable tensors stay fp32.
+            for p in model.parameters():
+                if not p.requires_grad and p.is_floating_point() and p.dtype != torch.bfloat16:
+                    p.data = p.data.to(torch.bfloat16)
     scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and cfg.dtype == "fp16" else None
 
     def rng_snapshot():
