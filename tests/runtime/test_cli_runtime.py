@@ -108,3 +108,14 @@ def test_bench_quick_real_run(tiny_export, tmp_path):
     assert 0 < cpu["measured_sparsity"]["total"] < 1 and cpu["ideal_speedup"] > 1.0
     assert rows[("dense", "decode", 1)]["measured_sparsity"] is None
     assert "wide bench" in r.stderr
+
+
+def test_ideal_bound_matches_design_for_smollm2_shapes():
+    """DESIGN.md §3: about 1.59x for SmolLM2-135M at s = 0.5 (routed Q/O/Gate/Up/Down only)."""
+    from wide_cli.runtime.bench import ideal_speedup
+
+    L, D, F, kv, V = 30, 576, 1536, 192, 49152
+    wb = {"attention_routed": L * 2 * D * D, "ffn_routed": L * 3 * D * F, "dense": L * (2 * D * kv + 2 * D) + V * D + D}
+    assert ideal_speedup(wb, {"attention": 0.5, "ffn": 0.5}) == pytest.approx(1.59, abs=0.01)
+    assert ideal_speedup(wb, {"attention": 0.0, "ffn": 0.0}) == 1.0
+    assert ideal_speedup(wb, {"attention": None, "ffn": 0.5}) < ideal_speedup(wb, {"attention": 0.5, "ffn": 0.5})

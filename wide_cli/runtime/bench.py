@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from wide_cli.errors import ConfigError
+from wide_cli.runtime.backend import ModelWeights
 
 SYSTEMS_FIXED = ("hf", "dense")  # dense HF transformers; the runtime with routing disabled
 
@@ -167,6 +168,31 @@ class BenchReport:
         }
 
 
+def weight_bytes(weights: ModelWeights, itemsize: int) -> dict:
+    """Weight bytes read per token, split by what routing can skip (for the ideal bound).
+
+    Returns ``{attention_routed, ffn_routed, dense}``: Q+O bytes, Gate+Up+Down bytes, and the
+    rest (K/V, norms, LM head; the embedding row gather is negligible and not counted).
+    """
+    att = ffn = dense = 0
+    for lw in weights.layers:
+        att += lw.wq.numel() + lw.wo.numel()
+        ffn += lw.w_gate.numel() + lw.w_up.numel() + lw.w_down.numel()
+        dense += lw.wk.numel() + lw.wv.numel() + lw.ln_attn.numel() + lw.ln_ffn.numel()
+    dense += weights.lm_head.numel() + weights.final_norm.numel()
+    return {"attention_routed": att * itemsize, "ffn_routed": ffn * itemsize, "dense": dense * itemsize}
+
+
+def ideal_speedup(wbytes: dict, sparsity: dict) -> float:
+    """Upper bound of the speedup over dense at the measured sparsity: routed operators scale
+    with ``1 - s`` of their module, everything else stays dense (DESIGN.md §3)."""
+    sa = sparsity.get("attention") or 0.0
+    sf = sparsity.get("ffn") or 0.0
+    full = wbytes["attention_routed"] + wbytes["ffn_routed"] + wbytes["dense"]
+    routed = wbytes["attention_routed"] * (1 - sa) + wbytes["ffn_routed"] * (1 - sf) + wbytes["dense"]
+    return full / routed if routed > 0 else float("inf")
+
+
 # ----------------------------------------------------------------------------------------------
 # prompts
 
@@ -288,7 +314,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
 
     from wide_cli.models.loader import load_tokenizer, resolve_dtype
     from wide_cli.runtime.backend import weights_from_export
-    from wide_cli.runtime.engine import Runtime, ideal_speedup
+    from wide_cli.runtime.engine import Runtime
 
     log = log or (lambda msg: None)
     path = Path(path)
@@ -319,8 +345,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
             systems[s] = _RuntimeSystem(runtime_for(cfg.dense_backend), False, None, cfg.seed)
         else:
             systems[s] = _RuntimeSystem(runtime_for(s), True, cfg.forced_sparsity, cfg.seed)
-    any_rt = next(iter(runtimes.values()), None) or Runtime(weights, "reference", dtype=dtype)
-    wbytes = any_rt.weight_bytes
+    wbytes = weight_bytes(weights, torch.finfo(dtype).bits // 8)
     dense_bytes = sum(wbytes.values())
 
     stream = text_token_stream(tokenizer, max((*cfg.prefill_lengths, cfg.decode_prompt_len)) * 4)

@@ -253,7 +253,6 @@ class Runtime:
         self.meta = [self._meta(lw) for lw in weights.layers]
         self.layers = [self.backend.prepare_layer(lw, self.dtype) for lw in weights.layers]
         self.stats = SparsityStats(len(self.layers), dev)
-        self.weight_bytes = _weight_bytes(weights, torch.finfo(self.dtype).bits // 8)
 
     # ------------------------------------------------------------------------------------------
     # construction
@@ -588,28 +587,3 @@ def _fold_router(rw) -> tuple[torch.Tensor, torch.Tensor]:
     wc, bc, wr, br = (t.double() for t in (rw.wc, rw.bc, rw.wr, rw.br))
     wd, bd = wr[0::2] - wr[1::2], br[0::2] - br[1::2]  # [G, r], [G]
     return (wd @ wc).float(), (wd @ bc + bd).float()
-
-
-def _weight_bytes(weights: ModelWeights, itemsize: int) -> dict:
-    """Weight bytes read per token, split by what routing can skip (for the ideal bound).
-
-    Returns ``{attention_routed, ffn_routed, dense}``: Q+O bytes, Gate+Up+Down bytes, and the
-    rest (K/V, norms, LM head; the embedding row gather is negligible and not counted).
-    """
-    att = ffn = dense = 0
-    for lw in weights.layers:
-        att += lw.wq.numel() + lw.wo.numel()
-        ffn += lw.w_gate.numel() + lw.w_up.numel() + lw.w_down.numel()
-        dense += lw.wk.numel() + lw.wv.numel() + lw.ln_attn.numel() + lw.ln_ffn.numel()
-    dense += weights.lm_head.numel() + weights.final_norm.numel()
-    return {"attention_routed": att * itemsize, "ffn_routed": ffn * itemsize, "dense": dense * itemsize}
-
-
-def ideal_speedup(weight_bytes: dict, sparsity: dict) -> float:
-    """Upper bound of the speedup over dense at the measured sparsity: routed operators scale
-    with ``1 - s`` of their module, everything else stays dense (DESIGN.md §3)."""
-    sa = sparsity.get("attention") or 0.0
-    sf = sparsity.get("ffn") or 0.0
-    full = weight_bytes["attention_routed"] + weight_bytes["ffn_routed"] + weight_bytes["dense"]
-    routed = weight_bytes["attention_routed"] * (1 - sa) + weight_bytes["ffn_routed"] * (1 - sf) + weight_bytes["dense"]
-    return full / routed if routed > 0 else float("inf")

@@ -107,7 +107,10 @@ def bench_cmd(
     if json_out:
         render.emit_json(doc)
         return
-    render.err.print(bench_table(doc), width=max(render.err.width, 120))
+    from rich.console import Console
+
+    # the table needs ~110 columns; a Console clips at its own width (80 when not a terminal)
+    Console(stderr=True, width=max(render.err.width, 120)).print(bench_table(doc))
     for note in doc["notes"]:
         render.log(f"note: {note}")
     if json_file is not None:
