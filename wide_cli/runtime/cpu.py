@@ -23,10 +23,16 @@ Attention prefill runs, per row and head group, only the executing query tokens,
 key range ends at the chunk's last query (so causal work is not wasted); decode reads the KV heads
 of the active head groups only (the union over rows when ``B > 1``).
 
-Measured on a shared 2-core Xeon (AVX-512, no bf16 units), SmolLM2-135M shapes, fp32, one thread:
-30 FFN layers at batch 1 with 5 of 12 groups active take 12 ms vs 25 ms dense (the ideal 10.4 ms);
-a gather-then-GEMM variant (``index_select`` of weights per step) was slower than dense (28 ms);
-at 1024 prefill tokens and 50 % masks, mask reordering takes 101 ms vs 170 ms dense.
+Measured on a shared 2-core Xeon (AVX-512, no bf16 units), SmolLM2-135M shapes, fp32, one thread
+(other jobs running, so +-15 %):
+- 30 FFN layers at batch 1 with 5 of 12 groups active: 12 ms vs 25 ms dense (ideal 10.4 ms); a
+  gather-then-GEMM variant (``index_select`` of the weights every step) was slower than dense
+  (28 ms). What is left above the ideal is per-GEMV cost: ~3.4 runs per layer, two GEMVs each.
+- Whole model, random routers at 50 %: decode batch 1 is 1.22x the runtime's dense mode (ideal
+  1.59x), prefill of 1024 tokens 1.48x; decode batch 8 is at parity with dense (the union of 8
+  tokens' groups is nearly everything; then dense GEMMs + masking are used).
+- With 2 threads the dense GEMVs gain more from the second core than the short routed ones, and
+  on a loaded machine OpenMP barriers dominate; ``wide bench`` defaults to one thread.
 """
 
 from __future__ import annotations
@@ -40,7 +46,10 @@ from wide_cli.runtime import ops
 from wide_cli.runtime.backend import LayerWeights
 
 # Calls with at most this many tokens use union runs, larger ones mask reordering. Measured on
-# SmolLM2-135M FFN shapes (fp32, 1 thread): reordering wins from about 24 tokens at 50 % sparsity.
+# SmolLM2-135M FFN shapes (fp32, 1 thread, independent 50 % masks): from 4 to 64 tokens both are
+# within noise of each other and of dense -- the union of the tokens' groups is nearly everything
+# and the GEMMs are memory-bound -- so the threshold matters little; reordering pays off in
+# prefill (1.48x dense at 1024 tokens), union runs at batch 1 (one token's own groups).
 SMALL_M = 16
 # Query tokens per attention chunk in routed prefill.
 ATTN_CHUNK = 128
@@ -113,6 +122,8 @@ def gemm_mn_rows(a: torch.Tensor, w: torch.Tensor, mask, group_size: int, bias=N
     if state == "none":
         return out
     g = group_size
+    if M <= SMALL_M and runs == [(0, N // g)]:  # union is everything: dense GEMM, then mask
+        return F.linear(a, w, bias).mul_(ops.expand_mask(mask, g).to(a.dtype))
     if M <= SMALL_M:
         for s, e in runs:
             out[:, s * g : e * g] = F.linear(a, w[s * g : e * g], None if bias is None else bias[s * g : e * g])
@@ -144,6 +155,9 @@ def gemm_k_rows(a: torch.Tensor, w_t: torch.Tensor, mask, group_size: int, bias=
     if state == "none":
         return out
     g = group_size
+    if M <= SMALL_M and runs == [(0, a.shape[1] // g)]:  # union is everything: mask, then dense GEMM
+        out.addmm_(a * ops.expand_mask(mask, g).to(a.dtype), w_t)
+        return out
     if M <= SMALL_M:
         if not uniform:
             a = a * ops.expand_mask(mask, g).to(a.dtype)
@@ -189,6 +203,11 @@ def ffn_grouped(
     out = torch.zeros(M, w_down_t.shape[1], dtype=x.dtype, device=x.device)
     if state == "none":
         return out
+    if M <= SMALL_M and runs == [(0, G)]:
+        # The union of the tokens' groups is everything (typical for a decode batch): the dense
+        # GEMMs, with the skipped (token, group) activations zeroed in between.
+        h = _swiglu((x @ w_gu.view(-1, D).t()).view(M, G, g2), g) * mask[:, :, None].to(x.dtype)
+        return h.reshape(M, G * g) @ w_down_t
     if M <= SMALL_M:
         # Union runs. Gate/up of all runs land in one buffer (transposed, [rows, M], so that each
         # run's GEMM writes a contiguous block), one SwiGLU over it, then one addmm per run.
