@@ -178,8 +178,11 @@ def test_batch_equals_each_prompt_alone(padding_side, backend):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_greedy_generation_equals_hf_generate(backend):
-    model = routed_model("llama")
+@pytest.mark.parametrize("arch", ["llama", "mistral-window"])
+def test_greedy_generation_equals_hf_generate(backend, arch):
+    """Decode too (mistral: a sliding window of 4 slots, shorter than prompt + new tokens)."""
+    kind = arch.split("-")[0]
+    model = routed_model(kind, **ARCHS[arch])
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 2
     rt = Runtime.from_model(model, backend=backend)
