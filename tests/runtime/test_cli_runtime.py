@@ -7,16 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from tests.runtime.conftest import routed_model
-from tests.runtime.test_export_roundtrip import _export
 from wide_cli.cli.app import app
-
-
-@pytest.fixture(scope="module")
-def tiny_export(tmp_path_factory):
-    path = tmp_path_factory.mktemp("rt") / "exp"
-    _export(routed_model("llama"), path)
-    return path
 
 
 def _run(args):

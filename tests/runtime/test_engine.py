@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.runtime.conftest import hf_logits, random_masks, routed_model
 from wide_cli.errors import CheckpointError, ConfigError
 from wide_cli.models.tiny import tiny_model
 from wide_cli.runtime.engine import Runtime
@@ -51,7 +50,7 @@ MODEL_CASES = {
 
 @pytest.mark.parametrize("case", SPARSITY_CASES)
 @pytest.mark.parametrize("model_case", MODEL_CASES)
-def test_cpu_matches_reference_prefill_and_decode(case, model_case, prompts_ids):
+def test_cpu_matches_reference_prefill_and_decode(case, model_case, prompts_ids, routed_model, random_masks):
     routers, p = SPARSITY_CASES[case]
     kind, ags, over = MODEL_CASES[model_case]
     model = routed_model(kind, routers=routers, ags=ags, **over)
@@ -93,7 +92,7 @@ ARCHS = {
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_prefill_matches_hf(arch, backend, prompts_ids):
+def test_prefill_matches_hf(arch, backend, prompts_ids, routed_model, hf_logits):
     kind = arch.split("-")[0]
     model = routed_model(kind, **ARCHS[arch])
     rt = Runtime.from_model(model, backend=backend)
@@ -106,7 +105,7 @@ def test_prefill_matches_hf(arch, backend, prompts_ids):
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_masked_head_group_matches_hf(kind, backend):
+def test_masked_head_group_matches_hf(kind, backend, routed_model):
     """One head group masked everywhere: no bias leaks through it (B15), q/k norms stay per head
     and are never sliced (B16)."""
     over = {"head_dim": 32} if kind == "qwen3" else {}
@@ -130,7 +129,7 @@ def test_masked_head_group_matches_hf(kind, backend):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_dense_mode_matches_plain_hf(kind, prompts_ids):
+def test_dense_mode_matches_plain_hf(kind, prompts_ids, routed_model):
     """Routing disabled == the unmodified HF model (same weights)."""
     plain = tiny_model(kind)
     ids, mask = _left_pad(prompts_ids)
@@ -152,7 +151,7 @@ def test_dense_mode_matches_plain_hf(kind, prompts_ids):
 
 @pytest.mark.parametrize("padding_side", ["left", "right"])
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_batch_equals_each_prompt_alone(padding_side, backend):
+def test_batch_equals_each_prompt_alone(padding_side, backend, routed_model):
     model = routed_model("llama")
     rt = Runtime.from_model(model, backend=backend)
     g = torch.Generator().manual_seed(11)
@@ -179,7 +178,7 @@ def test_batch_equals_each_prompt_alone(padding_side, backend):
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("arch", ["llama", "mistral-window"])
-def test_greedy_generation_equals_hf_generate(backend, arch):
+def test_greedy_generation_equals_hf_generate(backend, arch, routed_model):
     """Decode too (mistral: a sliding window of 4 slots, shorter than prompt + new tokens)."""
     kind = arch.split("-")[0]
     model = routed_model(kind, **ARCHS[arch])
@@ -201,7 +200,7 @@ def test_greedy_generation_equals_hf_generate(backend, arch):
 
 
 @pytest.mark.parametrize("padding_side", ["left", "right"])
-def test_chunked_prefill_equals_one_pass(padding_side):
+def test_chunked_prefill_equals_one_pass(padding_side, routed_model):
     model = routed_model("llama")
     g = torch.Generator().manual_seed(12)
     prompts = [torch.randint(5, 100, (n,), generator=g).tolist() for n in (4, 11)]
@@ -221,7 +220,7 @@ def test_chunked_prefill_equals_one_pass(padding_side):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_kv_cache_complete_and_incremental_equals_full(backend):
+def test_kv_cache_complete_and_incremental_equals_full(backend, routed_model, hf_logits):
     model = routed_model("llama")  # natural routers: tokens pick different groups
     rt = Runtime.from_model(model, backend=backend)
     ids = torch.randint(5, 100, (2, 6), generator=torch.Generator().manual_seed(2))
@@ -275,7 +274,7 @@ def _compact_heads(model, keep_heads: dict[int, list[int]]) -> dict:
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_per_layer_widths_from_weights(backend):
+def test_per_layer_widths_from_weights(backend, routed_model):
     keep = {0: [0, 1, 2, 3], 1: [0, 1], 2: [1, 3]}
     model = routed_model("llama", routers="execute", ags=1, num_hidden_layers=3)
     forced = {}
@@ -308,7 +307,7 @@ def test_per_layer_widths_from_weights(backend):
 
 
 @pytest.mark.parametrize("factor", [8.0, 32.0])
-def test_llama3_rope_scaling_600_tokens(factor):
+def test_llama3_rope_scaling_600_tokens(factor, routed_model, hf_logits):
     model = routed_model(
         "llama",
         max_position_embeddings=1024,
@@ -326,7 +325,7 @@ def test_llama3_rope_scaling_600_tokens(factor):
     assert not torch.allclose(rt.inv_freq, plain_inv)  # the scaling was applied
 
 
-def test_tied_lm_head_missing_tensor():
+def test_tied_lm_head_missing_tensor(routed_model, hf_logits):
     model = routed_model("llama", tie_word_embeddings=True)
     sd = {k: v for k, v in model.state_dict().items() if ".router_" not in k and k != "lm_head.weight"}
     routers = {k: v for k, v in model.state_dict().items() if ".router_" in k}
@@ -357,7 +356,7 @@ def test_unknown_or_missing_tensors_are_listed():
         Runtime.from_tensors(model.config, sd)
 
 
-def test_router_width_must_match_layer():
+def test_router_width_must_match_layer(routed_model):
     model = routed_model("llama")
     sd = {k: v for k, v in model.state_dict().items() if ".router_" not in k}
     routers = {k: v for k, v in model.state_dict().items() if ".router_" in k}
@@ -375,7 +374,7 @@ def test_cupy_without_cuda_is_a_clear_error():
         Runtime.from_model(tiny_model("llama"), backend="tpu")
 
 
-def test_bf16_cpu_close_to_reference(prompts_ids):
+def test_bf16_cpu_close_to_reference(prompts_ids, routed_model, random_masks):
     model = routed_model("llama")
     ids, mask = _left_pad(prompts_ids)
     rt32 = Runtime.from_model(model, backend="reference")

@@ -7,33 +7,17 @@ import warnings
 import pytest
 import torch
 
-from tests.runtime.conftest import routed_model
 from wide_cli.errors import CheckpointError
-from wide_cli.export import export_model, load_pruned
-from wide_cli.models.tiny import char_tokenizer, tiny_model
+from wide_cli.export import load_pruned
+from wide_cli.models.tiny import tiny_model
 from wide_cli.routing import RoutingConfig, attach_routers
 from wide_cli.runtime.engine import Runtime
 
 
-def _export(model, path, method="wide", ags=2, fgs=32):
-    st = model.wide_routing
-    wc = {
-        "method": method,
-        "routing": st.cfg.to_dict(),
-        "layout": {"attn_group_size": st.layout.attn_group_size, "ffn_group_size": st.layout.ffn_group_size,
-                   "attn_groups": st.layout.attn_groups, "ffn_groups": st.layout.ffn_groups},
-        "measured_sparsity": {},
-        "source_model": {"spec": "tiny-llama"},
-    }  # fmt: skip
-    tok = char_tokenizer(with_pad=False)
-    export_model(model, tok, path, wide_config=wc)
-    return tok
-
-
 @pytest.mark.parametrize("tied", [False, True])
-def test_export_roundtrip_matches_load_pruned(tmp_path, tied):
+def test_export_roundtrip_matches_load_pruned(tmp_path, tied, routed_model, write_export):
     model = routed_model("llama", tie_word_embeddings=tied)
-    _export(model, tmp_path / "exp")
+    write_export(model, tmp_path / "exp")
     if tied:  # HF drops the tied lm_head on save (B14)
         from safetensors import safe_open
 
@@ -52,15 +36,15 @@ def test_export_roundtrip_matches_load_pruned(tmp_path, tied):
     assert res.sparsity["total"] > 0.0
 
 
-def test_corrupt_or_incomplete_export_is_refused(tmp_path):
+def test_corrupt_or_incomplete_export_is_refused(tmp_path, routed_model, write_export):
     model = routed_model("llama")
-    _export(model, tmp_path / "exp")
+    write_export(model, tmp_path / "exp")
     (tmp_path / "exp" / "routers.safetensors").unlink()
     with pytest.raises(CheckpointError, match="routers.safetensors"):
         Runtime.from_export(tmp_path / "exp")
     with pytest.raises(CheckpointError, match="routers.safetensors is missing"):
         Runtime.from_export(tmp_path / "exp", verify=False)
-    _export(model, tmp_path / "exp2")
+    write_export(model, tmp_path / "exp2")
     p = tmp_path / "exp2" / "model.safetensors"
     data = bytearray(p.read_bytes())
     data[-1] ^= 0xFF
@@ -69,14 +53,14 @@ def test_corrupt_or_incomplete_export_is_refused(tmp_path):
         Runtime.from_export(tmp_path / "exp2")
 
 
-def test_static_width_export_uses_keep_masks(tmp_path):
+def test_static_width_export_uses_keep_masks(tmp_path, write_export):
     model = tiny_model("llama")
     keep = {(i, m): torch.tensor([True, False]) if m == "attention" else torch.tensor([True, False, True, True])
             for i in range(2) for m in ("attention", "ffn")}  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         attach_routers(model, RoutingConfig(method="static-width", attn_group_size=2, ffn_group_size=32), static_keep=keep)
-    _export(model, tmp_path / "exp", method="static-width")
+    write_export(model, tmp_path / "exp", method="static-width")
     ids = torch.tensor([[40, 41, 50, 60, 70]])
     with torch.no_grad():
         want = model(input_ids=ids).logits

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.runtime.conftest import routed_model
 from wide_cli.errors import ConfigError
 from wide_cli.models.tiny import char_tokenizer
 from wide_cli.runtime.engine import Runtime
@@ -45,7 +44,7 @@ def test_text_tracker_holds_back_partial_stop_strings():
     assert tr.stopped and tr.text == "hel" and shown == "hel"
 
 
-def test_generate_stops_on_stop_string_and_streams():
+def test_generate_stops_on_stop_string_and_streams(routed_model):
     model = routed_model("llama")
     rt = Runtime.from_model(model, tokenizer=char_tokenizer(), backend="cpu")
     free = rt.generate(["hello"], max_new_tokens=12, ignore_eos=True)
@@ -58,7 +57,7 @@ def test_generate_stops_on_stop_string_and_streams():
     assert res.finish_reasons == ["stop"]
 
 
-def test_eos_ends_a_row_and_sampling_uses_the_seed():
+def test_eos_ends_a_row_and_sampling_uses_the_seed(routed_model):
     model = routed_model("llama")
     rt = Runtime.from_model(model, tokenizer=char_tokenizer(), backend="cpu")
     g = rt.generate(["ab"], max_new_tokens=6, ignore_eos=True)
