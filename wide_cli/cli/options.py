@@ -22,6 +22,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "eval_data": ("data", "eval"),
     "heldout_fraction": ("data", "heldout_fraction"),
     "max_train_tokens": ("data", "max_train_tokens"),
+    "shuffle_documents": ("data", "shuffle_documents"),
     "method": ("routing", "method"),
     "sparsity": ("routing", "sparsity"),
     "sparsity_attention": ("routing", "sparsity_attention"),
@@ -59,6 +60,7 @@ Data = Annotated[Optional[str], typer.Option("--data", help="Training data: file
 EvalData = Annotated[Optional[str], typer.Option("--eval-data", help="Text for perplexity (default: held-out split of --data).")]
 HeldoutFraction = Annotated[Optional[float], typer.Option("--heldout-fraction", help="Share of packed sequences held out of training.")]
 MaxTrainTokens = Annotated[Optional[int], typer.Option("--max-train-tokens", help="Cap on tokenised training data.")]
+ShuffleDocs = Annotated[Optional[bool], typer.Option("--shuffle-documents/--no-shuffle-documents", help="Shuffle documents before packing (default on).")]
 Method = Annotated[Optional[str], typer.Option("--method", help="wide | dynamic-depth | static-width | dense.")]
 Sparsity = Annotated[Optional[float], typer.Option("--sparsity", help="Target fraction of skipped (token, group) decisions, in [0, 1).")]
 SparsityAttn = Annotated[Optional[float], typer.Option("--sparsity-attention", help="Per-module target for attention (with --sparsity-ffn).")]

@@ -34,12 +34,15 @@ class DataSection:
     """``train``: training data source (files, dir, HF id, ``builtin:pydoc``); ``eval``: text
     file/source for perplexity (None = the held-out split of ``train``); ``heldout_fraction``:
     share of packed sequences kept out of training; ``max_train_tokens``: cap on tokenised
-    training data (None = all)."""
+    training data (None = all); ``shuffle_documents``: shuffle documents (seeded by
+    ``train.seed``) before packing, so that the held-out split is not the tail of a sorted corpus;
+    False keeps file order (held-out = the last sequences)."""
 
     train: str = "builtin:pydoc"
     eval: str | None = None
     heldout_fraction: float = 0.1
     max_train_tokens: int | None = None
+    shuffle_documents: bool = True
 
     def __post_init__(self):
         if not 0.0 <= self.heldout_fraction < 1.0:

@@ -87,7 +87,7 @@ def _packed(settings: Settings, tokenizer, run: RunDir):
         cache_dir=run.calibration / "data",
         heldout_fraction=settings.data.heldout_fraction,
         max_tokens=settings.data.max_train_tokens,
-        seed=settings.train.seed,
+        seed=settings.train.seed if settings.data.shuffle_documents else None,
     )
 
 

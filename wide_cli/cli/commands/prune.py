@@ -12,6 +12,7 @@ def prune_cmd(
     eval_data: o.EvalData = None,
     heldout_fraction: o.HeldoutFraction = None,
     max_train_tokens: o.MaxTrainTokens = None,
+    shuffle_documents: o.ShuffleDocs = None,
     method: o.Method = None,
     sparsity: o.Sparsity = None,
     sparsity_attention: o.SparsityAttn = None,
