@@ -14,9 +14,6 @@ A group's importance is the sum of its units' scores.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,15 +86,9 @@ class GroupStatistics:
              "ffn_channel_norm": self.ffn_channel_norm.float().contiguous().cpu()},
             metadata={"format": FORMAT, "version": FORMAT_VERSION, "tokens": str(int(self.tokens))},
         )
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        from wide_cli.atomic import atomic_write_bytes
+
+        atomic_write_bytes(path, data)
 
     @classmethod
     def load(cls, path: str | Path) -> GroupStatistics:

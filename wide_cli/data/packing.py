@@ -8,19 +8,17 @@ token of a row is a real token (no padding), so loss and sparsity count all of t
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import math
-import os
 import random
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from wide_cli.atomic import atomic_write_bytes
 from wide_cli.data.sources import read_documents, source_fingerprint
 from wide_cli.errors import ConfigError, DataError
 
@@ -186,18 +184,6 @@ def cache_key(source: str, tokenizer, seq_len: int, *, heldout_fraction: float, 
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def load_or_build(
     source: str,
     tokenizer,
@@ -242,8 +228,8 @@ def load_or_build(
                             max_tokens=max_tokens, seed=seed)
     packed.meta.update(source=source, cache_key=key)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(tensors_path, save({"train": packed.train.contiguous(), "heldout": packed.heldout.contiguous()}))
-    _atomic_write(meta_path, (json.dumps(packed.meta, indent=2) + "\n").encode())
+    atomic_write_bytes(tensors_path, save({"train": packed.train.contiguous(), "heldout": packed.heldout.contiguous()}))
+    atomic_write_bytes(meta_path, (json.dumps(packed.meta, indent=2) + "\n").encode())
     logger.info("packed %d documents into %d+%d sequences of %d tokens (cached at %s)", packed.meta["n_documents"],
                 packed.meta["n_train"], packed.meta["n_heldout"], seq_len, tensors_path)
     return packed

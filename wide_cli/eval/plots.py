@@ -20,7 +20,7 @@ def plot_layer_sparsity(sparsity: dict, path: Path, *, title: str = "") -> Path:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    from wide_cli.export.atomic import atomic_write_bytes
+    from wide_cli.atomic import atomic_write_bytes
 
     per = sparsity.get("per_layer") or {}
     att = [0.0 if v is None else v for v in per.get("attention", [])]

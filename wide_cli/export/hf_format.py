@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from wide_cli.export.atomic import atomic_write_json
+from wide_cli.atomic import atomic_write_json
 from wide_cli.export.modeling_template import (
     ARCH_PREFIX,
     CONFIGURATION_FILE,

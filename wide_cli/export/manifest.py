@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from wide_cli.errors import CheckpointError
-from wide_cli.export.atomic import atomic_write_json
+from wide_cli.atomic import atomic_write_json
 
 MANIFEST = "manifest.json"
 

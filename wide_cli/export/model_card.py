@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from wide_cli.export.atomic import atomic_write_bytes
+from wide_cli.atomic import atomic_write_bytes
 
 MODEL_CARD = "README.md"
 

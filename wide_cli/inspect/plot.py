@@ -22,7 +22,7 @@ def plot_sparsity(per_layer: dict, out: Path, *, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from wide_cli.export.atomic import atomic_write_bytes
+    from wide_cli.atomic import atomic_write_bytes
 
     att = list(per_layer.get("attention") or [])
     ffn = list(per_layer.get("ffn") or [])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from wide_cli import __version__
 from wide_cli.errors import CheckpointError
-from wide_cli.export.atomic import atomic_write_json
+from wide_cli.atomic import atomic_write_json
 
 RUN_JSON = "run.json"
 LOCK = ".lock"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from wide_cli.errors import CheckpointError, ConfigError
-from wide_cli.export.atomic import atomic_write_json
+from wide_cli.atomic import atomic_write_json
 from wide_cli.pipeline.rundir import RunDir, model_identity, record_run
 from wide_cli.pipeline.settings import Settings
 

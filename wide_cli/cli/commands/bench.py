@@ -100,7 +100,7 @@ def bench_cmd(
     report = run_bench(export, cfg, log=render.log)
     doc = report.to_dict()
     if json_file is not None:
-        from wide_cli.export.atomic import atomic_write_json
+        from wide_cli.atomic import atomic_write_json
 
         json_file.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(json_file, doc)
