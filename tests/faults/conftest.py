@@ -37,6 +37,23 @@ class FaultRecorder:
         _RECORDS[self.nodeid] = {"fault": fault, "outcome": outcome, "intact": intact}
 
 
+def _default_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture(autouse=True)
+def _sigint_raises(monkeypatch):
+    """In-process tests: SIGINT raises KeyboardInterrupt even when the runner inherited it ignored."""
+    import signal
+
+    old = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 @pytest.fixture
 def fault(request) -> FaultRecorder:
     return FaultRecorder(request.node.nodeid)
@@ -93,8 +110,10 @@ class WideProcess:
 
         cwd = cwd or tempfile.gettempdir()  # never the repository: a stray relative path lands there
         cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "wide_cli", *args]
+        # A job started in the background of a non-interactive shell inherits SIGINT ignored, and
+        # Python then keeps it ignored: give the child the default disposition, as a terminal would.
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=wide_env(),
-                                     cwd=cwd)
+                                     cwd=cwd, preexec_fn=_default_sigint)
         self.lines: list[str] = []
         self.stdout = ""
         self._t = threading.Thread(target=self._drain, daemon=True)
