@@ -21,7 +21,7 @@ try:
 except ImportError:
     pass
 path, prompt = sys.argv[1], sys.argv[2]
-tok = AutoTokenizer.from_pretrained(path)
+tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
 model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
 ids = tok(prompt, return_tensors="pt").input_ids
 out = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
