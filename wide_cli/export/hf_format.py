@@ -244,19 +244,9 @@ def load_hf_export(path, *, dtype: torch.dtype = torch.float32, device="cpu", ve
     from transformers import AutoModelForCausalLM
 
     from wide_cli.errors import CheckpointError
-    from wide_cli.export.loader import PrunedModel, check_manifest_owner, read_wide_config, unreadable_weights
-    from wide_cli.export.manifest import verify_manifest
-    from wide_cli.models.loader import load_tokenizer
+    from wide_cli.export.loader import PrunedModel, open_export, unreadable_weights
 
-    path = Path(path)
-    if verify:
-        check_manifest_owner(path)
-        verify_manifest(path)
-    wcfg = read_wide_config(path)
-    try:
-        tokenizer = load_tokenizer(path)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot load the tokenizer of {path}: {e}", "re-run `wide export`") from None
+    path, wcfg, tokenizer = open_export(path, verify=verify)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -95,6 +95,27 @@ def next_token_entropy(model, tokenizer, prompt: str = "The quick brown fox jump
     return float(-(p * torch.log(p.clamp_min(1e-30))).sum())
 
 
+def open_export(path, *, verify: bool = True):
+    """Check an export (manifest owner and hashes when ``verify``) and read its
+    ``wide_config.json`` and tokenizer. Returns ``(path, wide_config, tokenizer)``.
+
+    Raises:
+        CheckpointError: naming the missing, corrupt or foreign file.
+    """
+    from wide_cli.models.loader import load_tokenizer
+
+    path = Path(path)
+    if verify:
+        check_manifest_owner(path)
+        verify_manifest(path)
+    wcfg = read_wide_config(path)
+    try:
+        tokenizer = load_tokenizer(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot load the tokenizer of {path}: {e}", "re-run `wide export`") from None
+    return path, wcfg, tokenizer
+
+
 def load_pruned(
     path,
     *,
@@ -125,17 +146,7 @@ def load_pruned(
 
     from wide_cli.routing.model import attach_routers, load_router_state_dict
 
-    path = Path(path)
-    if verify:
-        check_manifest_owner(path)
-        verify_manifest(path)
-    wcfg = read_wide_config(path)
-    from wide_cli.models.loader import load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(path)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot load the tokenizer of {path}: {e}", "re-run `wide export`") from None
+    path, wcfg, tokenizer = open_export(path, verify=verify)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, output_loading_info=True, local_files_only=True
