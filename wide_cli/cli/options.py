@@ -40,6 +40,8 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "lr": ("train", "lr"),
     "seed": ("train", "seed"),
     "checkpoint_every": ("train", "checkpoint_every"),
+    "grad_checkpointing": ("train", "grad_checkpointing"),
+    "max_memory": ("train", "max_memory"),
     "dtype": ("model", "dtype"),
     "train_dtype": ("train", "dtype"),
     "device": ("model", "device"),
@@ -78,6 +80,8 @@ GradAccum = Annotated[Optional[int], typer.Option("--grad-accum", help="Micro-ba
 Lr = Annotated[Optional[float], typer.Option("--lr", help="Router learning rate (default 2e-3).")]
 Seed = Annotated[Optional[int], typer.Option("--seed", help="Seed for data order, Gumbel noise and init.")]
 CheckpointEvery = Annotated[Optional[int], typer.Option("--checkpoint-every", help="Steps between checkpoints.")]
+GradCheckpointing = Annotated[Optional[bool], typer.Option("--grad-checkpointing/--no-grad-checkpointing", help="Recompute each decoder layer in backward: less activation memory, ~1/3 more compute.")]
+MaxMemory = Annotated[Optional[str], typer.Option("--max-memory", help="Memory one training process may use, e.g. 24GiB (default: what the device has free).")]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="fp32 | bf16 | fp16 (fp16 on CPU is upcast to fp32).")]
 TrainDtype = Annotated[Optional[str], typer.Option("--train-dtype", help="Training autocast: fp32 | bf16 | fp16 (CUDA).")]
 Device = Annotated[Optional[str], typer.Option("--device", help="cpu | cuda | cuda:N.")]

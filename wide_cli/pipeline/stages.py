@@ -68,7 +68,7 @@ def _identity(settings: Settings, loaded, *, stage: str) -> dict:
     ident = {
         "model": model_identity(loaded),
         "routing": settings.routing.to_dict(),
-        "train": settings.train.to_dict(),
+        "train": settings.train.math_dict(),
         "data": settings.data.train,
         "router_init": settings.run.router_init,
     }
@@ -186,9 +186,10 @@ def init_routers_from_statistics(model, stats, *, strength: float = 1.0) -> None
     for module in state.active_modules:
         gs = state.layout.attn_group_size if module == "attention" else state.layout.ffn_group_size
         imp = stats.group_importance(module, gs).clamp_min(1e-12).log()  # [L, G]
-        z = (imp - imp.mean(1, keepdim=True)) / imp.std(1, keepdim=True).nan_to_num(1.0).clamp_min(1e-6)
-        if imp.shape[1] == 1:
+        if imp.shape[1] == 1:  # one group per module (dynamic-depth): only the offset applies
             z = torch.zeros_like(imp)
+        else:
+            z = (imp - imp.mean(1, keepdim=True)) / imp.std(1, keepdim=True).nan_to_num(1.0).clamp_min(1e-6)
         t = min(max(state.cfg.target_for(module), 1e-3), 1 - 1e-3)
         offset = math.log((1 - t) / t)
         for i, layer in enumerate(decoder_layers(model)):

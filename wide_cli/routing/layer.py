@@ -114,11 +114,56 @@ def routed_layer_forward(
     """Forward of a routed decoder layer (replaces the HF layer's forward; same signature).
 
     ``hidden_states``: ``[B, T, D]`` residual stream entering the layer. Returns ``[B, T, D]``.
+    With ``state.grad_checkpointing`` in training, the layer runs under non-reentrant activation
+    checkpointing (``checkpointed_call``).
     """
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
     else:
         kwargs.pop("past_key_values", None)
+    state = self._wide_state
+    kw = dict(attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+              position_embeddings=position_embeddings, **kwargs)
+    if state.grad_checkpointing and self.training and torch.is_grad_enabled():
+        return checkpointed_call(state, lambda h: _routed_layer_body(self, h, **kw), hidden_states)
+    return _routed_layer_body(self, hidden_states, **kw)
+
+
+def checkpointed_call(state, fn: Callable[[torch.Tensor], torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
+    """``fn(hidden_states)`` under ``torch.utils.checkpoint`` (non-reentrant): only the input is
+    kept; the layer is recomputed during backward.
+
+    The recomputation must take the same routing decisions as the forward: the Gumbel noise comes
+    from ``state.generator`` (not the global RNG that ``preserve_rng_state`` restores), so its
+    state is rewound to where this layer's forward started and put back afterwards, and the
+    replay appends no sparsity records (the loss already used the forward's). Dropout (LoRA)
+    draws from the global RNG, which checkpoint itself restores.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    gen = state.generator
+    before = gen.get_state() if gen is not None else None
+    calls = [0]
+
+    def run(h):
+        calls[0] += 1
+        if calls[0] == 1:
+            return fn(h)
+        after = gen.get_state() if gen is not None else None
+        if gen is not None:
+            gen.set_state(before)
+        state.recomputing = True
+        try:
+            return fn(h)
+        finally:
+            state.recomputing = False
+            if gen is not None:
+                gen.set_state(after)
+
+    return checkpoint(run, hidden_states, use_reentrant=False, preserve_rng_state=True)
+
+
+def _routed_layer_body(self, hidden_states, *, attention_mask, position_ids, cache, position_embeddings, **kwargs):
     state = self._wide_state
     idx = self.self_attn.layer_idx
 

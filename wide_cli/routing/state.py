@@ -87,6 +87,8 @@ class RoutingState:
         records: per forward, ``(layer, module, skip_fraction)`` with gradients, for the loss.
         counter: a ``SparsityCounter`` when measuring, else None.
         trace: when a list, every decision ``(layer, module, execute [B, T, G] bool)`` is appended.
+        grad_checkpointing: recompute each decoder layer during backward (training only).
+        recomputing: set while a checkpointed layer replays its forward (records nothing).
     """
 
     def __init__(self, cfg: RoutingConfig, shape: ModelShape, layout: GroupLayout):
@@ -102,6 +104,8 @@ class RoutingState:
         self.trace: list | None = None
         self.generator: torch.Generator | None = None
         self.world, self.rank = 1, 0  # data-parallel layout for the Gumbel noise
+        self.grad_checkpointing = False  # training: recompute each layer during backward
+        self.recomputing = False  # True while a checkpointed layer replays its forward
 
     @property
     def active_modules(self) -> tuple[str, ...]:
@@ -165,6 +169,8 @@ class RoutingState:
             else:
                 ex = argmax_execute(logits).to(torch.float32)
         valid = self._valid_for(hidden)
+        if self.recomputing:  # activation-checkpoint replay: the forward already recorded this
+            return ex
         if torch.is_grad_enabled() and ex.requires_grad:
             self.records.append((layer, module, skip_fraction(ex, valid)))
         if self.counter is not None:

@@ -26,6 +26,10 @@ class TrainConfig:
             cast to bf16 for training, fast with bf16 matrix units such as AMX), ``fp16`` (CUDA
             autocast + loss scaling).
             Trainable parameters and optimizer state are fp32 in every case.
+        grad_checkpointing: keep only each decoder layer's input and recompute the layer during
+            backward (less activation memory, about one extra forward of compute).
+        max_memory: bytes one training process may use, e.g. ``"24GiB"`` (None: what the device
+            has free). The memory plan refuses to start above it (``wide_cli.train.memory``).
     """
 
     steps: int = 120
@@ -39,6 +43,8 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 50
     dtype: str = "fp32"
+    grad_checkpointing: bool = False
+    max_memory: str | None = None
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "grad_accum", "seq_len"):
@@ -54,6 +60,10 @@ class TrainConfig:
             raise ConfigError(f"checkpoint-every {self.checkpoint_every} must be >= 0")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} unknown", f"choose one of {', '.join(DTYPES)}")
+        if self.max_memory is not None:
+            from wide_cli.train.memory import parse_bytes
+
+            parse_bytes(self.max_memory)
 
     @property
     def sequences_per_step(self) -> int:
@@ -65,3 +75,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def math_dict(self) -> dict:
+        """The settings that change the numbers a run produces (what ``--resume`` must match):
+        everything but ``grad_checkpointing`` and ``max_memory``."""
+        d = asdict(self)
+        d.pop("grad_checkpointing")
+        d.pop("max_memory")
+        return d

@@ -22,6 +22,7 @@ from wide_cli.atomic import atomic_directory, atomic_write_json
 from wide_cli.routing.gumbel import sparsity_loss, temperature_at
 from wide_cli.train.config import TrainConfig
 from wide_cli.train.data_order import batch_indices
+from wide_cli.train.memory import check_plan, parse_bytes, plan_training
 
 CHECKPOINT = "checkpoint"
 RESULT = "result.json"
@@ -38,6 +39,7 @@ class TrainResult:
         final: last step's metrics (loss, lm_loss, sparsity per module, tau).
         history: per-step metrics (every ``log_every`` steps).
         resumed_from: the step a resume started at, or None.
+        memory_plan: the estimate checked before the first step (``MemoryPlan.to_dict()``).
     """
 
     steps: int
@@ -46,6 +48,7 @@ class TrainResult:
     final: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
     resumed_from: int | None = None
+    memory_plan: dict | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -54,6 +57,7 @@ class TrainResult:
             "seconds": round(self.seconds, 3),
             "final": self.final,
             "resumed_from": self.resumed_from,
+            "memory_plan": self.memory_plan,
         }
 
 
@@ -111,6 +115,26 @@ def load_checkpoint(stage_dir: Path, model, optimizer, scheduler, identity: dict
     return meta, blob["rng"]
 
 
+def _memory_plan(model, cfg: TrainConfig, device: torch.device, world: int, ddp_model):
+    """The plan for this stage: compute dtype as the loop will train (CPU bf16 casts the frozen
+    backbone; CUDA autocast), weights sharded when FSDP wraps the model (``ddp_model is model``)."""
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype, None)
+    if compute is None or (device.type == "cpu" and cfg.dtype != "bf16"):
+        compute = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    shards = world if (ddp_model is not None and ddp_model is model and world > 1) else 1
+    return plan_training(
+        model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, compute_dtype=compute,
+        grad_checkpointing=cfg.grad_checkpointing, shards=shards,
+        max_memory=parse_bytes(cfg.max_memory) if cfg.max_memory else None,
+    )
+
+
+def _log(msg: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(msg, highlight=False)
+
+
 def _lr_scheduler(optimizer, cfg: TrainConfig):
     from transformers import get_cosine_schedule_with_warmup
 
@@ -166,6 +190,10 @@ def train_stage(
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise RuntimeError("no trainable parameters")
+    plan = _memory_plan(model, cfg, device, world, ddp_model)
+    if rank == 0 and progress:
+        _log(plan.render())
+    check_plan(plan, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = _lr_scheduler(optimizer, cfg)
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 17)  # same on every rank
@@ -179,6 +207,7 @@ def train_stage(
         torch.set_rng_state(rng["torch"])
     state.generator = gen
     state.world, state.rank = world, rank
+    state.grad_checkpointing = cfg.grad_checkpointing
     model.train()
     state.set_mode("gumbel")
     # Mixed precision: bf16/fp16 autocast on CUDA; bf16 autocast on CPU (fast where the CPU has
@@ -283,9 +312,11 @@ def train_stage(
     finally:
         state.set_mode("argmax")
         state.world, state.rank = 1, 0
+        state.grad_checkpointing = False
         model.eval()
     bar.close()
-    result = TrainResult(cfg.steps, cfg.steps * cfg.tokens_per_step * world, elapsed, history[-1] if history else {}, history, resumed_from)
+    result = TrainResult(cfg.steps, cfg.steps * cfg.tokens_per_step * world, elapsed, history[-1] if history else {},
+                         history, resumed_from, plan.to_dict())
     if rank == 0:
         save_checkpoint(stage_dir, model, optimizer, scheduler, meta_for(cfg.steps), rng_snapshot())
         atomic_write_json(stage_dir / RESULT, {**result.to_dict(), "history": history, "identity": identity})

@@ -30,6 +30,8 @@ def prune_cmd(
     lr: o.Lr = None,
     seed: o.Seed = None,
     checkpoint_every: o.CheckpointEvery = None,
+    grad_checkpointing: o.GradCheckpointing = None,
+    max_memory: o.MaxMemory = None,
     dtype: o.Dtype = None,
     train_dtype: o.TrainDtype = None,
     device: o.Device = None,

@@ -88,6 +88,8 @@ def train_cmd(
     tau_end: o.TauEnd = None,
     sparsity_weight: o.SparsityWeight = None,
     checkpoint_every: o.CheckpointEvery = None,
+    grad_checkpointing: o.GradCheckpointing = None,
+    max_memory: o.MaxMemory = None,
     train_dtype: o.TrainDtype = None,
     router_init: o.RouterInit = None,
     lora_steps: o.LoraSteps = None,
