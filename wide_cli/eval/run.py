@@ -267,6 +267,7 @@ def evaluate_targets(
     eval_data: Path | None = None,
     out_dir: Path | None = None,
     stride: int | None = None,
+    cache_dir: Path | None = None,
 ) -> dict:
     """Evaluate models side by side and build the comparison report.
 
@@ -283,6 +284,9 @@ def evaluate_targets(
         out_dir: when set, writes ``report.json``, ``report.md`` and one per-layer sparsity PNG per
             pruned model there (atomically).
         stride: perplexity stride (None = non-overlapping windows).
+        cache_dir: when set, a model's row is read from there if its weights, the data, these
+            settings and the evaluation code are unchanged, and stored there otherwise
+            (``wide_cli.eval.cache``).
 
     Returns:
         The report dict (schema in ``wide_cli.eval.report``).
@@ -293,6 +297,7 @@ def evaluate_targets(
     """
     import torch
 
+    from wide_cli.eval import cache
     from wide_cli.eval.report import build_report, write_report
     from wide_cli.models.loader import resolve_dtype
 
@@ -308,7 +313,16 @@ def evaluate_targets(
         tgt = load_target(name, dtype=tdtype, device=device)
         if tgt.kind == "dense" and dense_ref is None:
             dense_ref = Target(tgt.name, None, None, "dense", tgt.source)
-        rows.append(evaluate_model(tgt, plan))
+        key = cache.cache_key(tgt, plan, dtype=tdtype, device=device) if cache_dir is not None else None
+        row = cache.load_row(cache_dir, key) if key else None
+        if row is None:
+            row = evaluate_model(tgt, plan)
+            if key:
+                cache.store_row(cache_dir, key, row)
+        else:
+            logger.info("%s: results from the cache (%s/%s.json)", tgt.name, cache_dir, key)
+            row = {**row, "name": tgt.name}
+        rows.append(row)
         del tgt  # free the model before loading the next one
     if dense_ref is not None:  # warn loudly (and keep going) when an export has another source
         for row in rows:

@@ -53,6 +53,8 @@ def eval_cmd(
     device: o.Device = None,
     eval_data: EvalDataOpt = None,
     out: ReportOutOpt = None,
+    cache_dir: Annotated[Path | None, typer.Option(
+        "--cache-dir", help="Reuse each model's results from DIR when model, data, settings and code match; store new ones there.")] = None,
     json_out: o.JsonOpt = False,
 ):
     """Evaluate models: WikiText-2 perplexity (token-level and lm-eval word-level), zero-shot
@@ -82,6 +84,7 @@ def eval_cmd(
         device=device or DEFAULT_DEVICE,
         eval_data=eval_data,
         out_dir=out,
+        cache_dir=cache_dir,
     )
     render.err.print(render_table(report))
     if out is not None:
