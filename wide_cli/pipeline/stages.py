@@ -292,6 +292,12 @@ def routed_model_from_run(settings: Settings, run: RunDir, *, loaded=None):
     if settings.stage2.enabled and (run.stage2 / "adapter.safetensors").is_file():
         from wide_cli.train.lora import apply_stage2
 
+        r1, ad = run.stage1 / "routers.safetensors", run.stage2 / "adapter.safetensors"
+        if r1.is_file() and r1.stat().st_mtime_ns > ad.stat().st_mtime_ns:
+            raise CheckpointError(
+                f"{ad} is older than the stage-1 routers {r1} (stage 1 was retrained after stage 2)",
+                f"rerun `wide train --run-dir {run.root} --stage 2`, or pass --no-lora to export stage 1 alone")
+
         model = apply_stage2(model, run.stage2, settings.stage2)
     else:
         rp = run.stage1 / "routers.safetensors"

@@ -156,6 +156,7 @@ def train_stage(
     world: int = 1,
     ddp_model=None,
     on_step=None,
+    tau: tuple[float, float] | None = None,
 ) -> TrainResult:
     """Train the parameters of ``model`` that require grad (routers; plus LoRA in stage 2).
 
@@ -170,6 +171,8 @@ def train_stage(
         progress: show a Rich progress bar on stderr (rank 0 only).
         rank, world, ddp_model: data-parallel position and the wrapped model to call forward on.
         on_step: optional callback ``(step, metrics)`` after each optimizer step (tests, signals).
+        tau: ``(start, end)`` Gumbel temperatures, annealed linearly over this stage's steps;
+            None = the routing config's ``tau_start``/``tau_end`` (stage 1).
 
     Returns:
         TrainResult.
@@ -182,6 +185,7 @@ def train_stage(
     rcfg = state.cfg
     modules = state.active_modules
     targets = {m: rcfg.target_for(m) for m in modules}
+    taus = tau if tau is not None else (rcfg.tau_start, rcfg.tau_end)
     stage_dir = Path(stage_dir)
     stage_dir.mkdir(parents=True, exist_ok=True)
     device = next(model.parameters()).device
@@ -242,7 +246,7 @@ def train_stage(
     try:
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
-            state.tau = temperature_at(step, cfg.steps, rcfg.tau_start, rcfg.tau_end)
+            state.tau = temperature_at(step, cfg.steps, *taus)
             sums = {"loss": 0.0, "lm_loss": 0.0, **{f"s_{m}": 0.0 for m in modules}}
             for micro in range(cfg.grad_accum):
                 idx = batch_indices(len(data), cfg.batch_size, step * cfg.grad_accum + micro, cfg.seed,

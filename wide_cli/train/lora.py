@@ -107,7 +107,8 @@ def merge_lora(peft_model, *, check_changed: bool = True):
 def train_stage2(settings: Settings, run, *, resume: bool = False, progress: bool = True, on_step=None):
     """Stage 2 on a run whose stage 1 is done: LoRA + (unless frozen) routers.
 
-    Trains with the shared loop (same loss), lr/steps from ``settings.stage2``. Writes
+    Trains with the shared loop (same loss), lr/steps from ``settings.stage2``, at the constant
+    Gumbel temperature ``tau_end`` where stage 1 stopped. Writes
     ``<run>/stage2/{adapter,routers}.safetensors`` and ``result.json``.
     """
     import dataclasses
@@ -116,11 +117,18 @@ def train_stage2(settings: Settings, run, *, resume: bool = False, progress: boo
     from wide_cli.routing.model import router_state_dict
     from wide_cli.train.loop import train_stage
 
+    from wide_cli.pipeline.rundir import model_identity, record_run
+    from wide_cli.train.distributed import dist_info
+
     loaded = stages.load_backbone(settings)
+    if dist_info().is_main:  # run.json now says stage 2 is on: `wide export` merges the adapter
+        settings = dataclasses.replace(settings, stage2=dataclasses.replace(settings.stage2, enabled=True))
+        record_run(run, settings.to_dict(), model_identity(loaded), resume=True)
     s1 = dataclasses.replace(settings, stage2=dataclasses.replace(settings.stage2, enabled=False))
     _, model = stages.routed_model_from_run(s1, run, loaded=loaded)
     for p in model.parameters():
         p.requires_grad_(False)
+    torch.manual_seed(settings.train.seed)  # LoRA A's init draws from the global RNG: same run, same adapter
     peft_model = wrap_lora(model, settings.stage2)
     if not settings.stage2.freeze_routers:
         for n, p in peft_model.named_parameters():
@@ -129,8 +137,11 @@ def train_stage2(settings: Settings, run, *, resume: bool = False, progress: boo
     tcfg = dataclasses.replace(settings.train, steps=settings.stage2.steps, lr=settings.stage2.lr)
     packed = stages._packed(settings, loaded.tokenizer, run)
     ident = stages._identity(settings, loaded, stage="stage2")
+    # The routers arrive annealed: stage 2 holds the final stage-1 temperature instead of
+    # re-heating to tau_start, which would randomise the decisions LoRA is recovering from.
+    tau_end = settings.routing.tau_end
     res = train_stage(peft_model, packed.train, tcfg, stage_dir=run.stage2, identity=ident, resume=resume,
-                      progress=progress, on_step=on_step)
+                      progress=progress, on_step=on_step, tau=(tau_end, tau_end))
     save_file(adapter_state_dict(peft_model), str(run.stage2 / (ADAPTER + ".tmp")))
     (run.stage2 / (ADAPTER + ".tmp")).replace(run.stage2 / ADAPTER)
     save_file(router_state_dict(peft_model), str(run.stage2 / (ROUTERS + ".tmp")))

@@ -132,6 +132,8 @@ def export_cmd(
     export_format: Annotated[str, typer.Option(
         "--format", help="wide (default: base config + routers.safetensors, for wide's loaders) | "
         "hf (loads in plain transformers with trust_remote_code; static width physically smaller).")] = "wide",
+    lora: Annotated[bool | None, typer.Option(
+        "--lora/--no-lora", help="Merge the run's stage-2 LoRA (default: when `wide train --stage 2` ran).")] = None,
     json_out: o.JsonOpt = False,
 ):
     """Stage 3/4: write the deployable export (weights, routers, wide_config, model card, manifest)."""
@@ -145,7 +147,7 @@ def export_cmd(
 
     if export_format not in EXPORT_FORMATS:
         raise ConfigError(f"--format {export_format!r} unknown", f"choose one of {', '.join(EXPORT_FORMATS)}")
-    run, settings = _settings_for_run(run_dir, None, {})
+    run, settings = _settings_for_run(run_dir, None, {"lora": lora})
     quiet_libraries()
     dest = out or run.default_export
     with run_lock(run):
