@@ -1,18 +1,45 @@
 #!/usr/bin/env bash
-# Issue #3 acceptance: dense vs wide vs static-width vs dynamic-depth on SmolLM2-135M with the same
-# data and training budget (the demo recipe: builtin:pydoc, steps x 4 x 256 tokens, sparsity 0.5),
-# then one `wide eval` table (WikiText-2 test + seven zero-shot tasks, --limit N items per task).
-# Long-running (tens of minutes on 2 CPU cores): a benchmark, not a test.
+# Issues #3 and #4 acceptance on SmolLM2-135M, sparsity 0.5, one training budget for every trained
+# method: STEPS optimizer steps x 4 sequences x 256 tokens from ../shared/data/corpus (the demo
+# recipe's routing and optimisation; bf16 training on CPU).
+#   dense          the reference row
+#   wide           stage 1 (routers), STEPS steps
+#   static-width   calibration only (no training)
+#   dynamic-depth  stage 1 with one group per module, STEPS steps
+#   wide+lora      stage 1 for STEPS - LORA_STEPS steps, then stage 2 (LoRA + routers) for LORA_STEPS
+# then one `wide eval` table: WikiText-2 test (all 62 pages, rolling windows of SEQ_LEN tokens) and
+# the seven zero-shot tasks (first LIMIT items each). Each model is evaluated in its own process
+# (two at a time) into a shared --cache-dir; the final command assembles the report from it.
+# Hours on 2 CPU cores: a benchmark, not a test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WIDE=.venv/bin/wide
-RECIPE=${RECIPE:-smollm2-135m-cpu}
-LIMIT=${LIMIT:-100}
+STEPS=${STEPS:-200}
+LORA_STEPS=${LORA_STEPS:-60}
+LIMIT=${LIMIT:-500}
+SEQ_LEN=${SEQ_LEN:-2048}
 DATA_DIR=${DATA_DIR:-../shared/data}
 OUT=${OUT:-docs/results/baselines-smollm2}
-[ -d runs/demo/export ] || $WIDE prune smollm2-135m --recipe "$RECIPE" --run-dir runs/demo --out runs/demo/export
-$WIDE prune smollm2-135m --recipe "$RECIPE" --method dynamic-depth --run-dir runs/depth --out runs/depth/export
-$WIDE prune smollm2-135m --recipe "$RECIPE" --method static-width --run-dir runs/static --out runs/static/export
-$WIDE eval smollm2-135m runs/demo/export runs/static/export runs/depth/export \
-    --tasks wikitext,arc_easy,arc_challenge,piqa,hellaswag,boolq,winogrande,openbookqa \
-    --data-dir "$DATA_DIR" --limit "$LIMIT" --seq-len 256 --out "$OUT"
+CACHE=${CACHE:-runs/eval-cache}
+export OMP_NUM_THREADS=1  # two jobs share the two cores
+
+train() {  # $1 = run name, rest = extra flags
+  local name=$1; shift
+  [ -f "runs/cmp-$name/export/manifest.json" ] && return 0
+  $WIDE prune smollm2-135m --recipe smollm2-135m-cpu --data "$DATA_DIR/corpus" --shuffle-documents \
+      --checkpoint-every 50 --eval-max-tokens 16384 --run-dir "runs/cmp-$name" --out "runs/cmp-$name/export" \
+      --json "$@" > "runs/cmp-$name.json"
+}
+train wide --steps "$STEPS" &
+train dynamic-depth --method dynamic-depth --steps "$STEPS" &
+wait
+train static-width --method static-width &
+train wide-lora --steps $((STEPS - LORA_STEPS)) --lora --lora-steps "$LORA_STEPS" &
+wait
+
+TARGETS=(smollm2-135m runs/cmp-wide/export runs/cmp-static-width/export runs/cmp-dynamic-depth/export
+         runs/cmp-wide-lora/export)
+EVAL=(--tasks wikitext,arc_easy,arc_challenge,piqa,hellaswag,boolq,winogrande,openbookqa
+      --data-dir "$DATA_DIR" --limit "$LIMIT" --seq-len "$SEQ_LEN" --dtype bf16 --cache-dir "$CACHE")
+printf '%s\n' "${TARGETS[@]}" | xargs -P 2 -I{} $WIDE eval {} "${EVAL[@]}" > /dev/null
+$WIDE eval "${TARGETS[@]}" "${EVAL[@]}" --out "$OUT"
