@@ -37,13 +37,17 @@ def atomic_write_json(path: Path, obj) -> None:
 def atomic_directory(final: Path):
     """Build a directory at a temp path beside ``final``; on success swap it into place.
 
+    The temp directory is named ``.<name>.partial-<host>-<pid>-<random>``; temp directories that a
+    killed process (same host, pid no longer alive) left beside ``final`` are removed first.
+
     Yields the temp ``Path`` to write into. On an exception the temp directory is removed and
     any previous ``final`` is left untouched. An existing ``final`` is replaced only after the new
     one is complete (it is moved aside, the new one renamed in, then the old one deleted).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    remove_stale_temps(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-{_owner()}-", dir=final.parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; an export is read by other users
         yield tmp
@@ -55,12 +59,47 @@ def atomic_directory(final: Path):
         raise
     old = None
     if final.exists():
-        old = final.parent / f".{final.name}.old-{os.getpid()}"
+        old = final.parent / f".{final.name}.old-{_owner()}"
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _owner() -> str:
+    import socket
+
+    return f"{socket.gethostname().replace('-', '_')}-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temps(final: Path) -> list[Path]:
+    """Delete ``.<name>.partial-*`` / ``.<name>.old-*`` directories beside ``final`` left by
+    processes of this host that no longer run (SIGKILL, power loss). Returns what was removed.
+    Directories of live processes, of other hosts (shared file systems) and older unnamed
+    formats are left alone."""
+    import socket
+
+    host = socket.gethostname().replace("-", "_")
+    removed = []
+    final = Path(final)
+    for kind in ("partial", "old"):
+        for d in final.parent.glob(f".{final.name}.{kind}-{host}-*"):
+            pid = d.name[len(f".{final.name}.{kind}-{host}-"):].split("-")[0]
+            if pid.isdigit() and not _alive(int(pid)) and d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d)
+    return removed
 
 
 def _umask() -> int:

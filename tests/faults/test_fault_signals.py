@@ -152,8 +152,10 @@ def test_sigkill_during_export(tmp_path, wide, trained_run, fault, fmt):
     assert not out.exists() and _visible_dirs(out.parent) == []
     with pytest.raises(CheckpointError, match="does not exist"):
         load_pruned(out)
+    assert os.path.isdir(partial)  # SIGKILL leaves the hidden temp dir behind ...
     rc, p = wide.run(["export", "--run-dir", str(run), "--out", str(out), "--format", fmt])  # recovers
     assert rc == 0, p.tail()
+    assert not os.path.exists(partial)  # ... and the next export removes it (its pid is gone)
     first = json.loads((out / "wide_config.json").read_text())["export_id"]
     outcome = "no export dir appears; re-export completes"
     intact = True
