@@ -312,3 +312,18 @@ def test_export_is_readable_by_other_users_per_umask(tmp_path, fmt):
     assert out.stat().st_mode & 0o777 == 0o755
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
     assert set(modes.values()) == {0o644}, modes
+
+
+def test_wide_eval_reads_hf_exports_like_wide_exports(tmp_path, text_file):
+    from wide_cli.eval.run import evaluate_targets
+
+    model, cfg = _routed()
+    wide = _export(model, cfg, tmp_path / "w", "wide").path
+    hf = _export(model, cfg, tmp_path / "h", "hf").path
+    rep = evaluate_targets([str(wide), str(hf)], tasks=[], data_dir=None, eval_data=text_file, seq_len=32,
+                           batch_size=2)
+    a, b = rep["rows"]
+    assert a["kind"] == b["kind"] == "pruned"
+    assert a["results"]["eval_data"]["perplexity"] == pytest.approx(b["results"]["eval_data"]["perplexity"], rel=1e-6)
+    assert a["sparsity"]["total"] == pytest.approx(b["sparsity"]["total"]) and 0 < a["sparsity"]["total"] < 1
+    assert a["flops"]["relative"] == pytest.approx(b["flops"]["relative"])

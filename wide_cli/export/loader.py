@@ -125,7 +125,8 @@ def load_pruned(
     allow_extra: bool = False,
     smoke_check: bool = True,
 ) -> PrunedModel:
-    """Load an export written by ``export_model``.
+    """Load an export written by ``export_model`` (``--format hf`` exports go through
+    ``wide_cli.export.hf_format.load_hf_export``: transformers with the export's generated code).
 
     Args:
         path: export directory.
@@ -147,6 +148,10 @@ def load_pruned(
     from wide_cli.routing.model import attach_routers, load_router_state_dict
 
     path, wcfg, tokenizer = open_export(path, verify=verify)
+    if wcfg.get("export_format", "wide") == "hf":  # generated remote code; its manifest is verified
+        from wide_cli.export.hf_format import load_hf_export
+
+        return load_hf_export(path, dtype=dtype, device=device, verify=False)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, output_loading_info=True, local_files_only=True

@@ -42,6 +42,8 @@ COPIED: tuple[tuple[str, str], ...] = (
     ("wide_cli.routing.layer", "routed_attention"),
     ("wide_cli.routing.layer", "routed_mlp"),
     ("wide_cli.routing.layer", "routed_layer_forward"),
+    ("wide_cli.routing.layer", "checkpointed_call"),
+    ("wide_cli.routing.layer", "_routed_layer_body"),
 )
 #: module-level constants the copied code reads (copied by value).
 CONSTANTS: tuple[tuple[str, str], ...] = (

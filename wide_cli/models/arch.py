@@ -57,6 +57,8 @@ def check_supported(config) -> None:
     model_type = getattr(config, "model_type", None)
     if model_type in SUPPORTED_MODEL_TYPES:
         return
+    if str(model_type).removeprefix("wide_") in SUPPORTED_MODEL_TYPES and hasattr(config, "wide_routing"):
+        return  # an `--format hf` export of a supported model (``wide_llama``, ...)
     if any(a in SUPPORTED_ARCHITECTURES for a in archs):
         return
     name = archs[0] if archs else model_type
