@@ -12,7 +12,7 @@ err = Console(stderr=True)
 
 
 def log(msg: str) -> None:
-    err.print(msg, highlight=False)
+    err.print(msg, highlight=False, soft_wrap=True)  # never wrapped: log lines stay greppable
 
 
 def emit_json(obj) -> None:

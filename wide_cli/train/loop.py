@@ -132,7 +132,7 @@ def _memory_plan(model, cfg: TrainConfig, device: torch.device, world: int, ddp_
 def _log(msg: str) -> None:
     from rich.console import Console
 
-    Console(stderr=True).print(msg, highlight=False)
+    Console(stderr=True).print(msg, highlight=False, soft_wrap=True)  # one greppable line in logs
 
 
 def _lr_scheduler(optimizer, cfg: TrainConfig):
