@@ -19,8 +19,9 @@ TINY = ["--steps", "2", "--seq-len", "32", "--batch-size", "2", "--attn-group-si
         "--ffn-group-size", "32", "--eval-max-tokens", "2048"]
 
 
-def _routed(arch="llama", dtype=torch.float32, *, lora=False, ckpt=False, seed=0):
+def _routed(arch="llama", dtype=torch.float32, *, lora=False, ckpt=False, seed=0, attn="sdpa"):
     m = tiny_model(arch)
+    m.config._attn_implementation = attn
     for p in m.parameters():
         p.requires_grad_(False)
     torch.manual_seed(seed)
@@ -58,7 +59,7 @@ def _saved_bytes(model, ids) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids)
+        model(input_ids=ids, labels=ids, use_cache=False)
     return sum(seen.values())
 
 
@@ -102,7 +103,7 @@ def test_checkpointing_keeps_layer_inputs_only():
 def _loss_and_grads(m, ids):
     st = m.wide_routing if hasattr(m, "wide_routing") else m.base_model.model.wide_routing
     st.records.clear()
-    out = m(input_ids=ids, labels=ids)
+    out = m(input_ids=ids, labels=ids, use_cache=False)
     s_hat = st.measured_s_hat()
     loss = out.loss + 20 * sum((v - 0.5).abs() for v in s_hat.values())
     loss.backward()
@@ -110,13 +111,14 @@ def _loss_and_grads(m, ids):
     return loss.item(), grads, len(st.records), st.generator.get_state()
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("lora", [False, True], ids=["routers", "lora-dropout"])
-def test_grad_checkpointing_same_loss_grads_and_gumbel_stream(lora):
+def test_grad_checkpointing_same_loss_grads_and_gumbel_stream(lora, attn):
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(2))
     torch.manual_seed(5)  # LoRA dropout draws from the global RNG
-    a = _loss_and_grads(_routed(lora=lora), ids)
+    a = _loss_and_grads(_routed(lora=lora, attn=attn), ids)
     torch.manual_seed(5)
-    b = _loss_and_grads(_routed(lora=lora, ckpt=True), ids)
+    b = _loss_and_grads(_routed(lora=lora, ckpt=True, attn=attn), ids)
     assert a[0] == pytest.approx(b[0], abs=1e-6)
     assert set(a[1]) == set(b[1]) and a[1]
     for n in a[1]:
@@ -143,30 +145,53 @@ def test_train_stage_with_checkpointing_matches(tmp_path):
         torch.testing.assert_close(out[False][k], out[True][k], atol=1e-6, rtol=1e-5)
 
 
-def test_plan_refuses_with_suggestions():
-    m = _routed()
-    plan = plan_training(m, batch_size=8, seq_len=64, compute_dtype=torch.float32, grad_checkpointing=False,
-                         max_memory=parse_bytes("1MiB"))
-    assert not plan.fits and plan.total > plan.usable
+def _refusal(batch_size, max_memory, seq_len=64, ckpt=False):
+    plan = plan_training(_routed(), batch_size=batch_size, seq_len=seq_len, compute_dtype=torch.float32,
+                         grad_checkpointing=ckpt, max_memory=parse_bytes(max_memory))
     assert plan.total == plan.weights + plan.gradients + plan.optimizer + plan.activations + plan.workspace
     with pytest.raises(MemoryPlanError) as e:
-        check_plan(plan, batch_size=8, grad_accum=1)
-    msg = str(e.value)
-    assert "exceeds the 0.9 MiB usable on cpu" in msg
-    assert "--batch-size 1 --grad-accum 8" in msg and "--grad-checkpointing" in msg and "--max-memory" in msg
-    big = plan_training(m, batch_size=8, seq_len=64, compute_dtype=torch.float32, grad_checkpointing=True,
+        check_plan(plan, batch_size=batch_size, grad_accum=1)
+    return plan, str(e.value)
+
+
+def test_plan_refuses_with_suggestions():
+    plan, msg = _refusal(8, "2MiB")
+    assert not plan.fits and plan.total > plan.usable
+    assert "exceeds the 1.8 MiB usable on cpu (2.0 MiB less 10 % headroom)" in msg
+    # the largest divisor of 8 that fits, keeping 8 sequences per step
+    assert "--batch-size 2 --grad-accum 4 (same sequences per step)" in msg
+    assert "--grad-checkpointing" in msg and "--max-memory" in msg
+    _, msg = _refusal(5, "2MiB")
+    assert "--batch-size 1 --grad-accum 5" in msg  # 2 does not divide 5
+    _, msg = _refusal(8, "2MiB", ckpt=True)
+    assert "--grad-checkpointing" not in msg  # already on
+    # weights + optimizer alone too big: no batch-size advice that could not work
+    _, msg = _refusal(8, "256KiB")
+    assert "weights and optimizer state alone" in msg and "--batch-size" not in msg
+    big = plan_training(_routed(), batch_size=8, seq_len=64, compute_dtype=torch.float32, grad_checkpointing=True,
                         max_memory=2**30)
     check_plan(big, batch_size=8, grad_accum=1)  # fits: no error
     assert "grad checkpointing" in big.render() and "1.00 GiB available on cpu" in big.render()
 
 
+def test_frozen_weights_count_at_stored_size_unless_cast():
+    m = _routed()
+    kw = dict(batch_size=1, seq_len=8, grad_checkpointing=False, max_memory=2**30)
+    stored = plan_training(m, compute_dtype=torch.bfloat16, **kw).weights  # CUDA autocast: fp32 stays
+    cast = plan_training(m, compute_dtype=torch.bfloat16, cast_frozen=True, **kw).weights  # CPU bf16 cast
+    trainable = sum(p.numel() for p in m.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in m.parameters() if not p.requires_grad)
+    assert stored == 4 * (trainable + frozen) and cast == 4 * trainable + 2 * frozen
+
+
 def test_cli_refuses_before_training_and_writes_no_export(tmp_path, text_file, capsys):
     run = tmp_path / "r"
     code = main(["prune", "tiny-llama", "--data", str(text_file), "--run-dir", str(run), *TINY,
-                 "--max-memory", "64KiB"])
+                 "--max-memory", "900KiB"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert err[-1].startswith("error: estimated peak memory") and "--grad-checkpointing" in err[-1], err
+    assert "--batch-size 1 --grad-accum 2" in err[-1]
     assert any(line.startswith("memory plan (estimate): weights") for line in err)
     assert not (run / "export").exists() and not (run / "stage1" / "routers.safetensors").exists()
 
@@ -182,3 +207,10 @@ def test_cli_grad_checkpointing_flag_reaches_training(tmp_path, text_file, capsy
     assert res["memory_plan"]["grad_checkpointing"] is True and res["memory_plan"]["capacity"] == 8 * 2**30
     # not part of the resume identity: toggling it does not invalidate a checkpoint
     assert "grad_checkpointing" not in res["identity"]["train"]
+
+
+def test_checkpointing_refuses_a_kv_cache():
+    m = _routed(ckpt=True)
+    ids = torch.randint(0, 128, (1, 8))
+    with pytest.raises(RuntimeError, match="use_cache=False"):
+        m(input_ids=ids, labels=ids, use_cache=True)

@@ -125,6 +125,8 @@ def routed_layer_forward(
     kw = dict(attention_mask=attention_mask, position_ids=position_ids, cache=cache,
               position_embeddings=position_embeddings, **kwargs)
     if state.grad_checkpointing and self.training and torch.is_grad_enabled():
+        if cache is not None:  # the replay would write this step's K/V into the cache a second time
+            raise RuntimeError("gradient checkpointing needs use_cache=False (a KV cache was passed)")
         return checkpointed_call(state, lambda h: _routed_layer_body(self, h, **kw), hidden_states)
     return _routed_layer_body(self, hidden_states, **kw)
 

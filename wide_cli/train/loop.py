@@ -125,6 +125,7 @@ def _memory_plan(model, cfg: TrainConfig, device: torch.device, world: int, ddp_
     return plan_training(
         model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, compute_dtype=compute,
         grad_checkpointing=cfg.grad_checkpointing, shards=shards,
+        cast_frozen=device.type == "cpu" and cfg.dtype == "bf16",
         max_memory=parse_bytes(cfg.max_memory) if cfg.max_memory else None,
     )
 
@@ -256,7 +257,7 @@ def train_stage(
                 state.records.clear()  # wrappers (PEFT, DDP) may bypass the model's pre-hook
                 state.valid = None  # packed sequences: every token is valid
                 with ctx:
-                    out = fwd(input_ids=ids, labels=ids)
+                    out = fwd(input_ids=ids, labels=ids, use_cache=False)  # no KV cache in training
                     s_hat = state.measured_s_hat()
                     sp = sparsity_loss(s_hat, targets, rcfg.per_module_targets) if s_hat else out.loss * 0
                     loss = out.loss.float() + rcfg.sparsity_weight * sp

@@ -190,14 +190,17 @@ def device_capacity(device: torch.device, held: int) -> int | None:
 
 
 def plan_training(model, *, batch_size: int, seq_len: int, compute_dtype: torch.dtype,
-                  grad_checkpointing: bool, shards: int = 1, max_memory: int | None = None) -> MemoryPlan:
+                  grad_checkpointing: bool, shards: int = 1, max_memory: int | None = None,
+                  cast_frozen: bool = False) -> MemoryPlan:
     """Estimate the peak memory of training ``model`` (its trainable parameters: those with
     ``requires_grad``) on micro-batches of ``batch_size x seq_len`` tokens.
 
     Args:
         model: a routed Hugging Face causal LM (possibly PEFT-wrapped).
-        compute_dtype: the dtype the frozen weights and activations train in (``torch.bfloat16``
-            when the CPU backbone is cast for ``--train-dtype bf16``; the autocast dtype on CUDA).
+        compute_dtype: the dtype activations train in (the autocast dtype on CUDA;
+            ``torch.bfloat16`` for ``--train-dtype bf16`` on CPU).
+        cast_frozen: the frozen weights are converted to ``compute_dtype`` before training (CPU
+            bf16); otherwise they count at their stored size (autocast does not convert them).
         shards: FSDP shards the weights, gradients and optimizer state are split over (1 = DDP
             or one process).
         max_memory: bytes this process may use; None reads the device.
@@ -212,7 +215,7 @@ def plan_training(model, *, batch_size: int, seq_len: int, compute_dtype: torch.
             trainable += p.numel()
             weights += p.numel() * p.element_size()
         else:
-            weights += p.numel() * (e if p.is_floating_point() else p.element_size())
+            weights += p.numel() * (e if cast_frozen and p.is_floating_point() else p.element_size())
     state = getattr(model, "wide_routing", None)
     if state is None:  # PEFT wrapper
         state = getattr(getattr(getattr(model, "base_model", None), "model", None), "wide_routing", None)
@@ -256,21 +259,29 @@ def check_plan(plan: MemoryPlan, *, batch_size: int, grad_accum: int) -> None:
     """Refuse a plan that does not fit.
 
     Raises:
-        MemoryPlanError: names the estimate, the capacity and what to change (a smaller
-            ``--batch-size`` with a larger ``--grad-accum`` keeps the step's sequences;
-            ``--grad-checkpointing``; ``--max-memory`` when the estimate is wrong).
+        MemoryPlanError: names the estimate, the capacity and what to change (a divisor of
+            ``--batch-size`` with a larger ``--grad-accum``, keeping the step's sequences, when one
+            fits; ``--grad-checkpointing``; ``--max-memory`` when the estimate is wrong), or says
+            that the weights alone do not fit.
     """
     if plan.fits:
         return
     hints = []
+    fixed = plan.weights + plan.gradients + plan.optimizer
+    if fixed > plan.usable:
+        raise MemoryPlanError(
+            f"the weights and optimizer state alone ({gib(fixed)}) exceed the {gib(plan.usable)} usable on "
+            f"{plan.device}, before any activation",
+            "use a device with more memory, more processes (FSDP shards weights on CUDA), a bf16 --dtype, "
+            "or --max-memory SIZE if the device really has more",
+        )
     if batch_size > 1:
-        # Largest power-of-two division of the micro-batch that fits at this rate.
-        per_token = (plan.activations + plan.workspace) / max(plan.tokens, 1)
-        room = plan.usable - (plan.weights + plan.gradients + plan.optimizer)
-        b = batch_size
-        while b > 1 and per_token * (plan.tokens // batch_size) * b > room:
-            b //= 2
-        hints.append(f"--batch-size {b} --grad-accum {grad_accum * max(1, batch_size // b)}")
+        # The largest divisor of the micro-batch whose activations fit: same sequences per step.
+        per_sequence = (plan.activations + plan.workspace) / batch_size
+        fits = [b for b in range(batch_size - 1, 0, -1) if batch_size % b == 0 and per_sequence * b <= plan.usable - fixed]
+        if fits:
+            hints.append(f"--batch-size {fits[0]} --grad-accum {grad_accum * batch_size // fits[0]} "
+                         "(same sequences per step)")
     if not plan.grad_checkpointing:
         hints.append("--grad-checkpointing")
     hints.append("--max-memory SIZE if the device really has more")
