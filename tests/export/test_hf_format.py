@@ -314,10 +314,11 @@ def test_export_is_readable_by_other_users_per_umask(tmp_path, fmt):
     assert set(modes.values()) == {0o644}, modes
 
 
-def test_wide_eval_reads_hf_exports_like_wide_exports(tmp_path, text_file):
+@pytest.mark.parametrize("method", ["wide", "static-width"])
+def test_wide_eval_reads_hf_exports_like_wide_exports(tmp_path, text_file, method):
     from wide_cli.eval.run import evaluate_targets
 
-    model, cfg = _routed()
+    model, cfg = _routed() if method == "wide" else _static()
     wide = _export(model, cfg, tmp_path / "w", "wide").path
     hf = _export(model, cfg, tmp_path / "h", "hf").path
     rep = evaluate_targets([str(wide), str(hf)], tasks=[], data_dir=None, eval_data=text_file, seq_len=32,
@@ -326,4 +327,6 @@ def test_wide_eval_reads_hf_exports_like_wide_exports(tmp_path, text_file):
     assert a["kind"] == b["kind"] == "pruned"
     assert a["results"]["eval_data"]["perplexity"] == pytest.approx(b["results"]["eval_data"]["perplexity"], rel=1e-6)
     assert a["sparsity"]["total"] == pytest.approx(b["sparsity"]["total"]) and 0 < a["sparsity"]["total"] < 1
-    assert a["flops"]["relative"] == pytest.approx(b["flops"]["relative"])
+    assert a["flops"]["relative"] == pytest.approx(b["flops"]["relative"]) and a["flops"]["relative"] < 1
+    for m in ("attention", "ffn"):
+        assert a["sparsity"]["per_layer"][m] == pytest.approx(b["sparsity"]["per_layer"][m])

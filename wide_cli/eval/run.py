@@ -209,6 +209,14 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
                                               batch_size=plan.batch_size, meter=sub)
         total.merge(sub)
     sparsity = total.summary()
+    wcfg = target.wide_config or {}
+    if wcfg.get("static") and wcfg.get("export_format") == "hf":
+        # a physically narrowed static-width export makes no routing decisions to count: its
+        # sparsity is its kept groups (input independent, exact)
+        from wide_cli.inspect.report import static_sparsity
+
+        layout = wcfg.get("layout") or getattr(model.config, "wide_routing", {}).get("layout")
+        sparsity = static_sparsity({**wcfg, "layout": layout})
     shape = model_shape(model.config)
     state = getattr(model, "wide_routing", None)
     router = {}
@@ -218,7 +226,6 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     flops = routed_flops(shape, sparsity, seq_len=seq_len, **router)
     s_a = (sparsity or {}).get("attention") or 0.0
     s_f = (sparsity or {}).get("ffn") or 0.0
-    wcfg = target.wide_config or {}
     return {
         "name": target.name,
         "kind": target.kind,

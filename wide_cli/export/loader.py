@@ -151,7 +151,10 @@ def load_pruned(
     if wcfg.get("export_format", "wide") == "hf":  # generated remote code; its manifest is verified
         from wide_cli.export.hf_format import load_hf_export
 
-        return load_hf_export(path, dtype=dtype, device=device, verify=False)
+        pm = load_hf_export(path, dtype=dtype, device=device, verify=False)
+        if smoke_check:
+            _smoke_check(pm.model, pm.tokenizer, path)
+        return pm
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, output_loading_info=True, local_files_only=True
@@ -198,10 +201,15 @@ def load_pruned(
         load_router_state_dict(model, routers)
     model.wide_routing.set_mode("dense" if cfg.method == "dense" else "argmax")
     if smoke_check:
-        h = next_token_entropy(model, tokenizer)
-        if h >= math.log(model.config.vocab_size) - 0.01:
-            raise CheckpointError(
-                f"{path}: next-token distribution is uniform (entropy {h:.4f} nats); weights were lost",
-                "re-run `wide export`",
-            )
+        _smoke_check(model, tokenizer, path)
     return PrunedModel(model, tokenizer, wcfg, path)
+
+
+def _smoke_check(model, tokenizer, path) -> None:
+    """B30: uniform next-token logits on a fixed prompt mean the weights were silently lost."""
+    h = next_token_entropy(model, tokenizer)
+    if h >= math.log(model.config.vocab_size) - 0.01:
+        raise CheckpointError(
+            f"{path}: next-token distribution is uniform (entropy {h:.4f} nats); weights were lost",
+            "re-run `wide export`",
+        )
