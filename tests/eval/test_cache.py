@@ -57,8 +57,19 @@ def test_rows_are_reused_only_when_everything_matches(tmp_path, small_data, monk
     assert len(calls) == 4
 
 
-def test_without_cache_dir_nothing_is_written(tmp_path, small_data):
+def test_code_and_library_versions_are_part_of_the_key(tmp_path, small_data, monkeypatch):
+    import transformers
+
+    from wide_cli.eval import cache
+
     exp = _routed_export(tmp_path / "exp", {"spec": "tiny", "resolved": "x", "revision": None})
-    rep = _eval(exp, small_data, None)
-    assert rep["rows"][0]["results"]["wikitext"]["token_level"]["n_tokens"] > 0
-    assert not (tmp_path / "cache").exists()
+    store = tmp_path / "cache"
+    _eval(exp, small_data, store)
+    calls = []
+    real = run.evaluate_model
+    monkeypatch.setattr(run, "evaluate_model", lambda t, p: calls.append(p) or real(t, p))
+    cache.code_fingerprint.cache_clear()
+    monkeypatch.setattr(transformers, "__version__", "0.0.0-other")
+    _eval(exp, small_data, store)
+    assert len(calls) == 1 and len(list(store.glob("*.json"))) == 2
+    cache.code_fingerprint.cache_clear()

@@ -6,7 +6,8 @@ everything that determines its numbers is unchanged: the model (an export's ``ma
 which holds every file's sha256; a plain model's resolved path, revision and weight files' sizes
 and mtimes), the evaluation settings (tasks, limit, window, stride, batch size, dtype, device),
 the data files (sizes and mtimes) and the code that computes it (a hash of the sources of
-``wide_cli.eval``, ``wide_cli.routing``, ``wide_cli.export`` and ``wide_cli.models``). Entries
+``wide_cli.eval``, ``wide_cli.routing``, ``wide_cli.export`` and ``wide_cli.models``, and the
+torch / transformers / tokenizers versions). Entries
 are JSON files named by the sha256 of that fingerprint, written atomically.
 """
 
@@ -22,11 +23,18 @@ CODE_PACKAGES = ("eval", "routing", "export", "models")
 
 @lru_cache(maxsize=1)
 def code_fingerprint() -> str:
-    """sha256 over the source files of the packages that compute an evaluation row."""
+    """sha256 over the source files of the packages that compute an evaluation row and the
+    versions of torch, transformers and tokenizers."""
     import wide_cli
+
+    import tokenizers
+    import torch
+    import transformers
 
     root = Path(wide_cli.__file__).parent
     h = hashlib.sha256(wide_cli.__version__.encode())
+    for lib in (torch, transformers, tokenizers):  # their kernels and model classes compute the row too
+        h.update(f"{lib.__name__}=={lib.__version__}".encode())
     for pkg in CODE_PACKAGES:
         for f in sorted((root / pkg).rglob("*.py")):
             h.update(str(f.relative_to(root)).encode())
@@ -52,7 +60,7 @@ def target_fingerprint(target) -> dict:
     resolved = (target.source or {}).get("resolved")
     if resolved and Path(resolved).is_dir():
         fp["files"] = [_file_sig(f) for f in sorted(Path(resolved).iterdir())
-                       if f.suffix in (".safetensors", ".bin", ".json", ".gguf")]
+                       if f.is_file() and f.suffix in (".safetensors", ".bin", ".json", ".gguf", ".model", ".txt", ".py")]
     elif resolved and Path(resolved).is_file():
         fp["files"] = [_file_sig(Path(resolved))]
     return fp
