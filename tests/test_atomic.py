@@ -27,3 +27,16 @@ def test_stale_partial_dirs_of_dead_processes_are_removed(tmp_path):
     assert (final / "f").read_text() == "x"
     assert not stale.exists() and live.exists() and other_host.exists() and other_name.exists()
     assert remove_stale_temps(final) == []
+
+
+def test_killed_mid_swap_restores_the_previous_copy(tmp_path):
+    host = socket.gethostname().replace("-", "_")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    final = tmp_path / "checkpoint"
+    old = tmp_path / f".checkpoint.old-{host}-{dead}"
+    old.mkdir()
+    (old / "state.json").write_text("previous")
+    (tmp_path / f".checkpoint.partial-{host}-{dead}-x").mkdir()  # the new copy, maybe incomplete
+    assert remove_stale_temps(final) == [tmp_path / f".checkpoint.partial-{host}-{dead}-x"]
+    assert (final / "state.json").read_text() == "previous" and not old.exists()

@@ -86,6 +86,8 @@ def _alive(pid: int) -> bool:
 def remove_stale_temps(final: Path) -> list[Path]:
     """Delete ``.<name>.partial-*`` / ``.<name>.old-*`` directories beside ``final`` left by
     processes of this host that no longer run (SIGKILL, power loss). Returns what was removed.
+    A dead process's ``.old-*`` copy is restored as ``final`` when ``final`` is missing (the
+    process died in the middle of the swap).
     Directories of live processes, of other hosts (shared file systems) and older unnamed
     formats are left alone."""
     import socket
@@ -93,12 +95,21 @@ def remove_stale_temps(final: Path) -> list[Path]:
     host = socket.gethostname().replace("-", "_")
     removed = []
     final = Path(final)
-    for kind in ("partial", "old"):
-        for d in final.parent.glob(f".{final.name}.{kind}-{host}-*"):
-            pid = d.name[len(f".{final.name}.{kind}-{host}-"):].split("-")[0]
-            if pid.isdigit() and not _alive(int(pid)) and d.is_dir():
-                shutil.rmtree(d, ignore_errors=True)
-                removed.append(d)
+    for kind in ("old", "partial"):
+        prefix = f".{final.name}.{kind}-{host}-"
+        for d in sorted(final.parent.iterdir()):
+            if not (d.name.startswith(prefix) and d.is_dir()):
+                continue
+            pid = d.name[len(prefix):].split("-")[0]
+            if not pid.isdigit() or _alive(int(pid)):
+                continue
+            if kind == "old" and not final.exists():
+                # killed between moving the previous copy aside and renaming the new one in: the
+                # previous copy is the only complete one; put it back
+                os.replace(d, final)
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
     return removed
 
 
