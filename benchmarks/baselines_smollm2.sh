@@ -30,12 +30,12 @@ train() {  # $1 = run name, rest = extra flags
       --checkpoint-every 50 --eval-max-tokens 16384 --run-dir "runs/cmp-$name" --out "runs/cmp-$name/export" \
       --json "$@" > "runs/cmp-$name.json"
 }
-train wide --steps "$STEPS" &
-train dynamic-depth --method dynamic-depth --steps "$STEPS" &
-wait
-train static-width --method static-width &
-train wide-lora --steps $((STEPS - LORA_STEPS)) --lora --lora-steps "$LORA_STEPS" &
-wait
+train wide --steps "$STEPS" & a=$!
+train dynamic-depth --method dynamic-depth --steps "$STEPS" & b=$!
+wait $a; wait $b
+train static-width --method static-width & a=$!
+train wide-lora --steps $((STEPS - LORA_STEPS)) --lora --lora-steps "$LORA_STEPS" & b=$!
+wait $a; wait $b
 
 TARGETS=(smollm2-135m runs/cmp-wide/export runs/cmp-static-width/export runs/cmp-dynamic-depth/export
          runs/cmp-wide-lora/export)

@@ -63,12 +63,27 @@ def test_export_refuses_stale_stage2_and_no_lora_exports_stage1(tmp_path, text_f
 
     run = tmp_path / "r"
     _ok(["prune", "tiny-llama", "--data", str(text_file), "--run-dir", str(run), *COMMON, "--lora", *LORA])
-    ad = run / "stage2" / "adapter.safetensors"
     r1 = run / "stage1" / "routers.safetensors"
-    os.utime(ad, ns=(r1.stat().st_mtime_ns - 10**9,) * 2)  # as if stage 1 had been retrained afterwards
+    os.utime(r1)  # touching (or copying) the routers is harmless: the check is by content
+    _ok(["export", "--run-dir", str(run), "--out", str(tmp_path / "e0"), "--lora"])
+    _ok(["train", "--run-dir", str(run), "--steps", "4"])  # stage 1 retrained after stage 2
     code = main(["export", "--run-dir", str(run), "--out", str(tmp_path / "e")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and "is older than the stage-1 routers" in err[-1] and "--stage 2" in err[-1], err
+    assert code == 2 and "trained on other stage-1 routers" in err[-1] and "--stage 2" in err[-1], err
+    # resuming stage 2 on the retrained routers is refused too (its identity holds their sha256)
+    code = main(["train", "--run-dir", str(run), "--stage", "2", *LORA, "--lora-steps", "5", "--resume"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "stage1_routers_sha256" in err[-1], err
     assert not (tmp_path / "e").exists()
     _ok(["export", "--run-dir", str(run), "--out", str(tmp_path / "e"), "--no-lora"])
     assert json.loads((tmp_path / "e" / "wide_config.json").read_text())["lora"] is None
+
+
+def test_export_lora_without_adapter_is_an_error(tmp_path, text_file, capsys):
+    from wide_cli.cli.app import main
+
+    run = tmp_path / "r"
+    _ok(["prune", "tiny-llama", "--data", str(text_file), "--run-dir", str(run), *COMMON])
+    code = main(["export", "--run-dir", str(run), "--out", str(tmp_path / "e"), "--lora"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "holds no trained adapter" in err[-1] and not (tmp_path / "e").exists()

@@ -9,6 +9,8 @@ evaluate  -> <run>/eval/         report.json (dense vs pruned perplexity, measur
 
 from __future__ import annotations
 
+import json
+
 import logging
 import math
 import warnings
@@ -292,10 +294,16 @@ def routed_model_from_run(settings: Settings, run: RunDir, *, loaded=None):
     if settings.stage2.enabled and (run.stage2 / "adapter.safetensors").is_file():
         from wide_cli.train.lora import apply_stage2
 
-        r1, ad = run.stage1 / "routers.safetensors", run.stage2 / "adapter.safetensors"
-        if r1.is_file() and r1.stat().st_mtime_ns > ad.stat().st_mtime_ns:
+        from wide_cli.train.lora import stage1_routers_sha256
+
+        try:
+            trained_on = json.loads((run.stage2 / "result.json").read_text())["identity"].get("stage1_routers_sha256")
+        except (OSError, ValueError, KeyError):
+            trained_on = None
+        if trained_on is not None and trained_on != stage1_routers_sha256(run):
             raise CheckpointError(
-                f"{ad} is older than the stage-1 routers {r1} (stage 1 was retrained after stage 2)",
+                f"the stage-2 adapter in {run.stage2} was trained on other stage-1 routers than "
+                f"{run.stage1 / 'routers.safetensors'} (stage 1 was retrained after stage 2)",
                 f"rerun `wide train --run-dir {run.root} --stage 2`, or pass --no-lora to export stage 1 alone")
 
         model = apply_stage2(model, run.stage2, settings.stage2)

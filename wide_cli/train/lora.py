@@ -108,22 +108,22 @@ def train_stage2(settings: Settings, run, *, resume: bool = False, progress: boo
     """Stage 2 on a run whose stage 1 is done: LoRA + (unless frozen) routers.
 
     Trains with the shared loop (same loss), lr/steps from ``settings.stage2``, at the constant
-    Gumbel temperature ``tau_end`` where stage 1 stopped. Writes
-    ``<run>/stage2/{adapter,routers}.safetensors`` and ``result.json``.
+    Gumbel temperature ``tau_end`` where stage 1 stopped; data parallel under torchrun like stage 1
+    (rank 0 alone writes). Writes ``<run>/stage2/{adapter,routers}.safetensors`` and
+    ``result.json`` (its identity holds the sha256 of the stage-1 routers it started from), then
+    records the settings with stage 2 enabled in ``run.json``.
     """
     import dataclasses
 
     from wide_cli.pipeline import stages
+    from wide_cli.pipeline.rundir import model_identity, record_run
     from wide_cli.routing.model import router_state_dict
+    from wide_cli.train import distributed
     from wide_cli.train.loop import train_stage
 
-    from wide_cli.pipeline.rundir import model_identity, record_run
-    from wide_cli.train.distributed import dist_info
-
+    info = distributed.dist_info()
     loaded = stages.load_backbone(settings)
-    if dist_info().is_main:  # run.json now says stage 2 is on: `wide export` merges the adapter
-        settings = dataclasses.replace(settings, stage2=dataclasses.replace(settings.stage2, enabled=True))
-        record_run(run, settings.to_dict(), model_identity(loaded), resume=True)
+    settings = dataclasses.replace(settings, stage2=dataclasses.replace(settings.stage2, enabled=True))
     s1 = dataclasses.replace(settings, stage2=dataclasses.replace(settings.stage2, enabled=False))
     _, model = stages.routed_model_from_run(s1, run, loaded=loaded)
     for p in model.parameters():
@@ -137,16 +137,37 @@ def train_stage2(settings: Settings, run, *, resume: bool = False, progress: boo
     tcfg = dataclasses.replace(settings.train, steps=settings.stage2.steps, lr=settings.stage2.lr)
     packed = stages._packed(settings, loaded.tokenizer, run)
     ident = stages._identity(settings, loaded, stage="stage2")
+    # the stage-1 routers this adapter is trained on: a retrained stage 1 invalidates it
+    ident["stage1_routers_sha256"] = stage1_routers_sha256(run)
     # The routers arrive annealed: stage 2 holds the final stage-1 temperature instead of
     # re-heating to tau_start, which would randomise the decisions LoRA is recovering from.
     tau_end = settings.routing.tau_end
     res = train_stage(peft_model, packed.train, tcfg, stage_dir=run.stage2, identity=ident, resume=resume,
-                      progress=progress, on_step=on_step, tau=(tau_end, tau_end))
+                      progress=progress, on_step=on_step, tau=(tau_end, tau_end), rank=info.rank,
+                      world=info.world, ddp_model=distributed.wrap(peft_model, settings.model.device))
+    if not info.is_main:  # rank 0 alone writes
+        return res
     save_file(adapter_state_dict(peft_model), str(run.stage2 / (ADAPTER + ".tmp")))
     (run.stage2 / (ADAPTER + ".tmp")).replace(run.stage2 / ADAPTER)
     save_file(router_state_dict(peft_model), str(run.stage2 / (ROUTERS + ".tmp")))
     (run.stage2 / (ROUTERS + ".tmp")).replace(run.stage2 / ROUTERS)
+    # run.json now says stage 2 is on (with these settings): `wide export` merges the adapter
+    record_run(run, settings.to_dict(), model_identity(loaded), resume=True)
     return res
+
+
+def stage1_routers_sha256(run) -> str | None:
+    """sha256 of ``<run>/stage1/routers.safetensors`` (None when absent)."""
+    import hashlib
+
+    p = Path(run.stage1) / "routers.safetensors"
+    if not p.is_file():
+        return None
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def apply_stage2(model, stage2_dir: Path, cfg: Stage2Config):

@@ -148,6 +148,9 @@ def export_cmd(
     if export_format not in EXPORT_FORMATS:
         raise ConfigError(f"--format {export_format!r} unknown", f"choose one of {', '.join(EXPORT_FORMATS)}")
     run, settings = _settings_for_run(run_dir, None, {"lora": lora})
+    if lora and not (run.stage2 / "adapter.safetensors").is_file():
+        raise ConfigError(f"--lora: {run.stage2} holds no trained adapter",
+                          f"run `wide train --run-dir {run.root} --stage 2` first, or drop --lora")
     quiet_libraries()
     dest = out or run.default_export
     with run_lock(run):
