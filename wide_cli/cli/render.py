@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from rich.console import Console
 from rich.table import Table
 
-err = Console(stderr=True)
+# Not a terminal (CI logs, files): Rich would wrap wide tables at 80 columns, one character per
+# line; render them at a fixed wide width instead (COLUMNS still wins when set).
+err = Console(stderr=True, width=None if sys.stderr.isatty() or "COLUMNS" in os.environ else 250)
 
 
 def log(msg: str) -> None:
