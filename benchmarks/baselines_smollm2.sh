@@ -8,7 +8,7 @@
 #   dynamic-depth  stage 1 with one group per module, STEPS steps
 #   wide+lora      stage 1 for STEPS - LORA_STEPS steps, then stage 2 (LoRA + routers) for LORA_STEPS
 # then one `wide eval` table: WikiText-2 test (all 62 pages, rolling windows of SEQ_LEN tokens) and
-# the seven zero-shot tasks (first LIMIT items each). Each model is evaluated in its own process
+# the seven zero-shot tasks (first LIMIT items each); docs/results/baselines-smollm2.md has the numbers. Each model is evaluated in its own process
 # (two at a time) into a shared --cache-dir; the final command assembles the report from it.
 # Hours on 2 CPU cores: a benchmark, not a test.
 set -euo pipefail
@@ -17,7 +17,7 @@ WIDE=.venv/bin/wide
 STEPS=${STEPS:-200}
 LORA_STEPS=${LORA_STEPS:-60}
 LIMIT=${LIMIT:-500}
-SEQ_LEN=${SEQ_LEN:-2048}
+SEQ_LEN=${SEQ_LEN:-256}   # the training sequence length (2048: ~1.7x the CPU time per token)
 DATA_DIR=${DATA_DIR:-../shared/data}
 OUT=${OUT:-docs/results/baselines-smollm2}
 CACHE=${CACHE:-runs/eval-cache}
