@@ -7,19 +7,12 @@ import json
 
 import torch
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
-from wide_cli.cli.app import app
+from tests.cli._invoke import ok as _ok
 
 COMMON = ["--seq-len", "32", "--batch-size", "2", "--attn-group-size", "2", "--ffn-group-size", "32",
           "--steps", "3", "--eval-max-tokens", "1024"]
 LORA = ["--lora-steps", "3", "--lora-lr", "1e-2"]
-
-
-def _ok(args):
-    r = CliRunner().invoke(app, args, catch_exceptions=False)
-    assert r.exit_code == 0, r.output
-    return r
 
 
 def test_prune_lora_equals_staged_stage2_and_merges(tmp_path, text_file):

@@ -101,7 +101,7 @@ def test_checkpointing_keeps_layer_inputs_only():
 
 
 def _loss_and_grads(m, ids):
-    st = m.wide_routing if hasattr(m, "wide_routing") else m.base_model.model.wide_routing
+    st = m.wide_routing
     st.records.clear()
     out = m(input_ids=ids, labels=ids, use_cache=False)
     s_hat = st.measured_s_hat()
@@ -176,7 +176,7 @@ def test_plan_refuses_with_suggestions():
 
 def test_frozen_weights_count_at_stored_size_unless_cast():
     m = _routed()
-    kw = dict(batch_size=1, seq_len=8, grad_checkpointing=False, max_memory=2**30)
+    kw = {"batch_size": 1, "seq_len": 8, "grad_checkpointing": False, "max_memory": 2**30}
     stored = plan_training(m, compute_dtype=torch.bfloat16, **kw).weights  # CUDA autocast: fp32 stays
     cast = plan_training(m, compute_dtype=torch.bfloat16, cast_frozen=True, **kw).weights  # CPU bf16 cast
     trainable = sum(p.numel() for p in m.parameters() if p.requires_grad)

@@ -122,13 +122,12 @@ def routed_layer_forward(
     else:
         kwargs.pop("past_key_values", None)
     state = self._wide_state
-    kw = dict(attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-              position_embeddings=position_embeddings, **kwargs)
     if state.grad_checkpointing and self.training and torch.is_grad_enabled():
         if cache is not None:  # the replay would write this step's K/V into the cache a second time
             raise RuntimeError("gradient checkpointing needs use_cache=False (a KV cache was passed)")
-        return checkpointed_call(state, lambda h: _routed_layer_body(self, h, **kw), hidden_states)
-    return _routed_layer_body(self, hidden_states, **kw)
+        return checkpointed_call(state, lambda h: _routed_layer_body(
+            self, h, attention_mask, position_ids, None, position_embeddings, **kwargs), hidden_states)
+    return _routed_layer_body(self, hidden_states, attention_mask, position_ids, cache, position_embeddings, **kwargs)
 
 
 def checkpointed_call(state, fn: Callable[[torch.Tensor], torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
@@ -165,7 +164,7 @@ def checkpointed_call(state, fn: Callable[[torch.Tensor], torch.Tensor], hidden_
     return checkpoint(run, hidden_states, use_reentrant=False, preserve_rng_state=True)
 
 
-def _routed_layer_body(self, hidden_states, *, attention_mask, position_ids, cache, position_embeddings, **kwargs):
+def _routed_layer_body(self, hidden_states, attention_mask, position_ids, cache, position_embeddings, **kwargs):
     state = self._wide_state
     idx = self.self_attn.layer_idx
 

@@ -158,16 +158,10 @@ def train_stage2(settings: Settings, run, *, resume: bool = False, progress: boo
 
 def stage1_routers_sha256(run) -> str | None:
     """sha256 of ``<run>/stage1/routers.safetensors`` (None when absent)."""
-    import hashlib
+    from wide_cli.export.manifest import sha256_file
 
     p = Path(run.stage1) / "routers.safetensors"
-    if not p.is_file():
-        return None
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return sha256_file(p) if p.is_file() else None
 
 
 def apply_stage2(model, stage2_dir: Path, cfg: Stage2Config):

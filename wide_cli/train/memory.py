@@ -53,7 +53,7 @@ def parse_bytes(text: str | int) -> int:
     return n
 
 
-def gib(n: int | float) -> str:
+def gib(n: float) -> str:
     """Bytes as a human string in GiB (or MiB below 1 GiB)."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -162,8 +162,9 @@ class MemoryPlan:
     def render(self) -> str:
         """One line for the log, e.g. ``memory plan (estimate): weights 0.25 GiB + ... = 1.9 GiB
         of 20.1 GiB on cpu``."""
-        parts = [f"weights {gib(self.weights)}", f"activations {gib(self.activations + self.workspace)} "
-                 f"({self.tokens} tokens/micro-batch{', grad checkpointing' if self.grad_checkpointing else ''})",
+        ckpt = ", grad checkpointing" if self.grad_checkpointing else ""
+        parts = [f"weights {gib(self.weights)}",
+                 f"activations {gib(self.activations + self.workspace)} ({self.tokens} tokens/micro-batch{ckpt})",
                  f"grads+AdamW {gib(self.gradients + self.optimizer)}"]
         cap = f" of {gib(self.capacity)} available on {self.device}" if self.capacity is not None else f" on {self.device}"
         return f"memory plan (estimate): {' + '.join(parts)} = {gib(self.total)}{cap}"
@@ -185,7 +186,7 @@ def device_capacity(device: torch.device, held: int) -> int | None:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):
             return None
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return avail // local + held
 
 
@@ -216,9 +217,7 @@ def plan_training(model, *, batch_size: int, seq_len: int, compute_dtype: torch.
             weights += p.numel() * p.element_size()
         else:
             weights += p.numel() * (e if cast_frozen and p.is_floating_point() else p.element_size())
-    state = getattr(model, "wide_routing", None)
-    if state is None:  # PEFT wrapper
-        state = getattr(getattr(getattr(model, "base_model", None), "model", None), "wide_routing", None)
+    state = getattr(model, "wide_routing", None)  # PEFT wrappers forward the attribute
     groups = {"attn_groups": 0, "ffn_groups": 0, "router_rank": 0}
     if state is not None and state.cfg.method != "dense":
         mods = state.active_modules
