@@ -13,7 +13,7 @@ from wide_cli.atomic import atomic_directory, remove_stale_temps
 def test_stale_partial_dirs_of_dead_processes_are_removed(tmp_path):
     host = socket.gethostname().replace("-", "_")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()  # a pid that has exited
+                          text=True, check=True).stdout.strip()  # a pid that has exited
     final = tmp_path / "export"
     stale = tmp_path / f".export.partial-{host}-{dead}-abc"
     live = tmp_path / f".export.partial-{host}-{os.getpid()}-def"
@@ -32,7 +32,7 @@ def test_stale_partial_dirs_of_dead_processes_are_removed(tmp_path):
 def test_killed_mid_swap_restores_the_previous_copy(tmp_path):
     host = socket.gethostname().replace("-", "_")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
+                          text=True, check=True).stdout.strip()
     final = tmp_path / "checkpoint"
     old = tmp_path / f".checkpoint.old-{host}-{dead}"
     old.mkdir()

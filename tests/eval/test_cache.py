@@ -6,10 +6,9 @@ import os
 
 import pytest
 
+from tests.eval.test_report import _routed_export
 from wide_cli.eval import run
 from wide_cli.eval.run import evaluate_targets
-
-from tests.eval.test_report import _routed_export
 
 PAGES = "".join(
     f" = Page {i} = \n \n The page number {i} talks about things and more things , again and again . \n \n"
@@ -26,7 +25,7 @@ def small_data(tmp_path):
 
 
 def _eval(exp, data, cache, **kw):
-    args = dict(tasks=["wikitext"], data_dir=data, seq_len=16, batch_size=2, cache_dir=cache)
+    args = {"tasks": ["wikitext"], "data_dir": data, "seq_len": 16, "batch_size": 2, "cache_dir": cache}
     args.update(kw)
     return evaluate_targets([str(exp)], **args)
 

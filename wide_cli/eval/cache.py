@@ -25,11 +25,11 @@ CODE_PACKAGES = ("eval", "routing", "export", "models")
 def code_fingerprint() -> str:
     """sha256 over the source files of the packages that compute an evaluation row and the
     versions of torch, transformers and tokenizers."""
-    import wide_cli
-
     import tokenizers
     import torch
     import transformers
+
+    import wide_cli
 
     root = Path(wide_cli.__file__).parent
     h = hashlib.sha256(wide_cli.__version__.encode())
