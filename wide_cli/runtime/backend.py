@@ -132,6 +132,33 @@ class ModelWeights:
     extra: dict = field(default_factory=dict)
 
 
+class Counter:
+    """What a backend executed, counted while it runs (``wide bench``'s executed share, tests).
+
+    Attributes:
+        macs: multiply-adds of the weight GEMMs actually issued (a dense GEMM whose result is
+            masked afterwards counts in full), LM head included.
+        attn_macs: multiply-adds of attention scores and of the weighted sum of V, per head the
+            kernel computed (a dense pass that masks heads afterwards counts every head).
+        router_macs: multiply-adds of the routers (the engine counts them).
+        trace: None, or a list that receives ``(first_byte_address, nbytes)`` of every weight and
+            scale block a GEMM reads (tests check that skipped groups are never read).
+    """
+
+    def __init__(self):
+        self.macs = 0
+        self.attn_macs = 0
+        self.router_macs = 0
+        self.trace: list | None = None
+
+    def reset(self) -> None:
+        self.macs = self.attn_macs = self.router_macs = 0
+
+    @property
+    def total(self) -> int:
+        return self.macs + self.attn_macs + self.router_macs
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What a backend implements. ``P`` below is whatever ``prepare_layer`` returned.
