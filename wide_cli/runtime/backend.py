@@ -586,9 +586,14 @@ def read_safetensors(path) -> dict[str, torch.Tensor]:
 def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False) -> ModelWeights:
     """Read an export directory (``manifest.json`` verified first) into ``ModelWeights``.
 
+    An int8 export (``wide export --weights int8``) is dequantized here (exactly ``q * scale``)
+    and marked ``extra["weight_format"] = "int8"``; the cpu backend re-quantizes it to the same
+    int8 values.
+
     Raises:
         CheckpointError: see ``verify_manifest``, ``read_safetensors``, ``weights_from_tensors``;
-            also a missing ``routers.safetensors`` for a routed export (B30).
+            also a missing ``routers.safetensors`` for a routed export (B30), an int8 tensor
+            without (or with a mismatched) scale tensor.
     """
     import json
     from pathlib import Path
@@ -627,4 +632,10 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
             extra_eos = json.loads(gen.read_text()).get("eos_token_id")
         except ValueError:
             extra_eos = None
-    return weights_from_tensors(config, read_safetensors(path), routers, info, allow_extra=allow_extra, extra_eos=extra_eos)
+    from wide_cli.runtime.quant import dequantize_state_dict
+
+    tensors, quantized = dequantize_state_dict(read_safetensors(path), str(path / "model.safetensors"))
+    weights = weights_from_tensors(config, tensors, routers, info, allow_extra=allow_extra, extra_eos=extra_eos)
+    if quantized:
+        weights.extra["weight_format"] = "int8"
+    return weights

@@ -272,16 +272,23 @@ class Runtime:
         self.eos_token_ids = tuple(weights.eos_token_ids)
         self.vocab_size = weights.embed.shape[0]
         self.hidden_size = weights.embed.shape[1]
-        self.embed = weights.embed.to(dev, self.dtype)
+        embed = weights.embed
+        if fmt == "int8":  # the embedding rows an int8 export stores (per-row int8), for lookups too
+            from wide_cli.runtime.quant import dequantize_int8, quantize_int8
+
+            embed = dequantize_int8(*quantize_int8(embed))
+        self.embed = embed.to(dev, self.dtype)
         self.counter = getattr(self.backend, "counter", None) or Counter()
         # The LM head in the backend's weight format when it has one (int8 on cpu), else dense.
         self.head = None
         self.lm_head = self.embed if weights.tied else weights.lm_head.to(dev, self.dtype)
         if hasattr(self.backend, "prepare_head"):
             # float formats keep sharing the tied embedding (the Proj holds the same tensor)
-            self.head = self.backend.prepare_head(self.lm_head, self.dtype)
-            if fmt == "int8":
+            if fmt == "int8":  # quantized from the stored float values, not from their bf16 copy
+                self.head = self.backend.prepare_head(embed if weights.tied else weights.lm_head, self.dtype)
                 self.lm_head = None
+            else:
+                self.head = self.backend.prepare_head(self.lm_head, self.dtype)
         self.final_norm = weights.final_norm.to(dev, self.dtype)
         self.inv_freq = weights.inv_freq.to(dev, torch.float32)
         self.rope_scale = float(weights.rope_scale)
@@ -627,7 +634,7 @@ class Runtime:
 def fake_quantize(weights: ModelWeights) -> ModelWeights:
     """A copy of ``weights`` whose projections and LM head hold the values the int8 kernels use
     (``dequantize(quantize(w))`` with the cpu backend's grouping: per row for Q/K/V, gate/up and
-    the LM head, per row and routed group for O and down)."""
+    the LM head, per row and routed group for O and down; the embedding is handled by Runtime)."""
     import dataclasses
 
     from wide_cli.runtime.quant import dequantize_int8, quantize_int8

@@ -30,6 +30,9 @@ def generate_cmd(
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the EOS token.")] = False,
     no_routing: Annotated[bool, typer.Option("--no-routing", help="Run every group (the runtime's dense mode).")] = False,
     dtype: Annotated[str | None, typer.Option("--dtype", help="fp32 | bf16 (default fp32).")] = None,
+    weights: Annotated[str | None, typer.Option(
+        "--weights", help="Weight format: fp32 | bf16 | int8 (int8: weight-only, bf16 activations; default: the "
+        "export's stored format, else fp32).")] = None,
     threads: Annotated[int | None, typer.Option("--threads", help="Torch CPU threads.")] = None,
     json_out: o.JsonOpt = False,
 ):
@@ -48,7 +51,11 @@ def generate_cmd(
     if threads is not None:
         torch.set_num_threads(threads)
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
-    rt = Runtime.from_export(export, backend=backend, dtype=dtype, routing=not no_routing)
+    if weights is not None:
+        from wide_cli.runtime.quant import check_format
+
+        check_format(weights)
+    rt = Runtime.from_export(export, backend=backend, dtype=dtype, routing=not no_routing, weight_format=weights)
     prompts = list(prompt)
     if chat:
         prompts = [
@@ -67,7 +74,8 @@ def generate_cmd(
     )  # fmt: skip
     if json_out:
         render.emit_json({"export": str(export), "backend": rt.backend.name, "routing": rt.routing,
-                          "dtype": str(rt.dtype).removeprefix("torch."), **res.to_dict()})  # fmt: skip
+                          "dtype": str(rt.dtype).removeprefix("torch."), "weights": rt.weight_format,
+                          **res.to_dict()})  # fmt: skip
         return
     if stream:
         sys.stdout.write("\n")
@@ -78,7 +86,8 @@ def generate_cmd(
     sp = res.sparsity
     fmt = lambda v: "-" if v is None else f"{v:.3f}"
     render.err.print(
-        f"backend {rt.backend.name} ({'routed' if rt.routing else 'dense'}, {str(rt.dtype).removeprefix('torch.')}): "
+        f"backend {rt.backend.name} ({'routed' if rt.routing else 'dense'}, {rt.weight_format} weights, "
+        f"{str(rt.dtype).removeprefix('torch.')} activations): "
         f"prefill {res.prompt_tokens} tok in {res.prefill_s:.2f} s ({res.prefill_tokens_per_s:.1f} tok/s), "
         f"decode {res.new_tokens} tok in {res.decode_s:.2f} s ({res.decode_tokens_per_s:.1f} tok/s); "
         f"measured sparsity attention {fmt(sp.get('attention'))} ffn {fmt(sp.get('ffn'))} total {fmt(sp.get('total'))}; "
