@@ -390,7 +390,11 @@ class _LlamaCppSystem:
                          n_threads_batch=n, logits_all=False, verbose=False)  # fmt: skip
 
     def _last_logits(self):
-        return self.llm.scores[self.llm.n_tokens - 1]
+        # llama-cpp-python copies no logits without logits_all; read the context's last row (a
+        # view of llama.cpp's buffer, no copy)
+        import numpy as np
+
+        return np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.llm.n_vocab(),))
 
     def prefill(self, ids: torch.Tensor) -> float:
         self.llm.reset()
