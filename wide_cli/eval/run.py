@@ -51,7 +51,8 @@ def load_target(target: str, *, dtype, device) -> Target:
         pm = load_pruned(target, dtype=dtype, device=device)
         wcfg = pm.wide_config or {}
         state = getattr(pm.model, "wide_routing", None)
-        dense = state is None or state.cfg.method == "dense"
+        # a static-depth export routes nothing but is still a pruned model (fewer layers)
+        dense = (state is None or state.cfg.method == "dense") and wcfg.get("method") != "static-depth"
         return Target(target, pm.model, pm.tokenizer, "dense" if dense else "pruned",
                       dict(wcfg.get("source_model") or {}), wcfg)
     from wide_cli.models.loader import load_model
@@ -226,6 +227,11 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     flops = routed_flops(shape, sparsity, seq_len=seq_len, **router)
     s_a = (sparsity or {}).get("attention") or 0.0
     s_f = (sparsity or {}).get("ffn") or 0.0
+    bound = decode_speedup_bound(shape, s_attention=s_a, s_ffn=s_f)["bound"]
+    if wcfg.get("method") == "static-depth":  # relative to the source model, whose layers it removed
+        from wide_cli.pipeline.static_depth import export_cost
+
+        flops, bound = export_cost(wcfg, shape, seq_len=seq_len)
     return {
         "name": target.name,
         "kind": target.kind,
@@ -238,7 +244,7 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
         "sparsity": sparsity,
         "flops": {k: flops[k] for k in ("relative", "dense_flops_per_token", "routed_flops_per_token",
                                         "router_flops_per_token", "context_len")},
-        "decode_speedup_bound": decode_speedup_bound(shape, s_attention=s_a, s_ffn=s_f)["bound"],
+        "decode_speedup_bound": bound,
         "warnings": [],
     }
 
