@@ -182,6 +182,7 @@ def eval_text_file(model, tokenizer, path: Path, *, seq_len: int, stride: int | 
 def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     """Run every task of ``plan`` on one loaded target; returns its report row (no reference
     columns yet; ``build_report`` adds them)."""
+    from wide_cli.eval import progress
     from wide_cli.eval.flops import decode_speedup_bound, routed_flops
     from wide_cli.eval.scoring import SparsityMeter
     from wide_cli.eval.wikitext import evaluate_wikitext
@@ -195,13 +196,14 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     for t in plan.tasks:
         sub = SparsityMeter()
         logger.info("%s: %s ...", target.name, t)
-        if t == "wikitext":
-            results[t] = evaluate_wikitext(model, tok, data_dir=plan.data_dir, dataset=plan.wikitext_dataset,
-                                           split=plan.split, limit=plan.limit, seq_len=seq_len,
-                                           stride=plan.stride, batch_size=plan.batch_size, meter=sub)
-        else:
-            results[t] = evaluate_task(model, tok, t, data_dir=plan.data_dir, limit=plan.limit,
-                                       batch_size=plan.batch_size, meter=sub)
+        with progress.label(f"{target.name}: {t}"):
+            if t == "wikitext":
+                results[t] = evaluate_wikitext(model, tok, data_dir=plan.data_dir, dataset=plan.wikitext_dataset,
+                                               split=plan.split, limit=plan.limit, seq_len=seq_len,
+                                               stride=plan.stride, batch_size=plan.batch_size, meter=sub)
+            else:
+                results[t] = evaluate_task(model, tok, t, data_dir=plan.data_dir, limit=plan.limit,
+                                           batch_size=plan.batch_size, meter=sub)
         total.merge(sub)
         logger.info("%s: %s %s = %.4f", target.name, t, results[t]["summary_metric"], results[t]["summary_value"])
     if plan.eval_data is not None:
