@@ -45,30 +45,31 @@ def test_block_influence_equals_direct_computation_with_padding():
 
 def test_layer_selection_removes_the_least_influential_until_the_cost_is_met():
     shape = model_shape(tiny_model("llama", num_hidden_layers=6).config)
-    cost = sd.depth_cost(shape, metric="flops", seq_len=32)
+    cm = sd.depth_cost(shape, metric="flops", seq_len=32)
     bi = torch.tensor([0.9, 0.1, 0.5, 0.05, 0.3, 0.7], dtype=torch.float64)
     # exactly two layers' cost: the two lowest-BI layers go
-    assert sd.layers_to_remove(bi, cost, cost.fraction(2)) == [1, 3]
+    assert sd.layers_to_remove(bi, cm, sd.fraction_after(cm, 2)) == [1, 3]
     # a target between two and three layers' cost needs three
-    assert sd.layers_to_remove(bi, cost, (cost.fraction(2) + cost.fraction(3)) / 2) == [1, 3, 4]
-    assert cost.fraction(0) == pytest.approx(1.0)
-    # per layer + fixed = dense, by hand from the FLOPs formula
+    assert sd.layers_to_remove(bi, cm, (sd.fraction_after(cm, 2) + sd.fraction_after(cm, 3)) / 2) == [1, 3, 4]
+    assert sd.fraction_after(cm, 0) == pytest.approx(1.0)
+    # a whole layer and the fixed part, by hand from the FLOPs formula (C = 16.5 at seq_len 32)
     D, H, Hkv, d, F, V = 64, 4, 2, 16, 128, shape.vocab_size
     per_layer = 2 * D * H * d + 4 * D * Hkv * d + 4 * H * d * 16.5 + 2 * H * d * D + 6 * D * F
-    assert cost.per_layer == pytest.approx(per_layer)
-    assert cost.fixed == pytest.approx(2 * D * V)
-    b = sd.depth_cost(shape, metric="decode-bytes")
-    assert b.per_layer == pytest.approx(2 * D * H * d + 2 * D * Hkv * d + 3 * D * F + 2 * D)
+    assert cm.layer_cost == pytest.approx(per_layer)
+    assert cm.model_floor == pytest.approx(2 * D * V)
+    b = sd.depth_cost(shape, metric="decode_bytes")
+    assert b.layer_cost == pytest.approx(2 * D * H * d + 2 * D * Hkv * d + 3 * D * F + 2 * D)
+    assert sd.fraction_after(b, 6) == pytest.approx((V * D + 2 * D) / (V * D + 2 * D + 6 * b.layer_cost))
 
 
 def test_unreachable_cost_target_names_value_and_range():
     from wide_cli.errors import ConfigError
 
     shape = model_shape(tiny_model("llama", num_hidden_layers=6).config)
-    cost = sd.depth_cost(shape, metric="flops", seq_len=32)
-    lo, hi = cost.reachable
+    cm = sd.depth_cost(shape, metric="flops", seq_len=32)
+    lo = sd.fraction_after(cm, 5)
     with pytest.raises(ConfigError) as e:
-        sd.layers_to_remove(torch.zeros(6), cost, lo / 2, model_name="m")
+        sd.layers_to_remove(torch.zeros(6), cm, lo / 2, model_name="m")
     msg = str(e.value)
     assert f"cost target {lo / 2}" in msg and f"[{lo:.3f}, 1)" in msg and "keeping 1 of 6 layers" in msg
 

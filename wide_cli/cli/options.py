@@ -67,7 +67,7 @@ MaxTrainTokens = Annotated[Optional[int], typer.Option("--max-train-tokens", hel
 ShuffleDocs = Annotated[Optional[bool], typer.Option("--shuffle-documents/--no-shuffle-documents", help="Shuffle documents before packing (default on).")]
 Method = Annotated[Optional[str], typer.Option("--method", help="wide | dynamic-depth | static-width | static-depth | dense.")]
 CostTarget = Annotated[Optional[float], typer.Option("--cost-target", help="static-depth: per-token cost to reach, a fraction of dense in (0, 1) (default 0.75).")]
-CostMetric = Annotated[Optional[str], typer.Option("--cost-metric", help="What --cost-target is a fraction of: flops | decode-bytes (default flops).")]
+CostMetric = Annotated[Optional[str], typer.Option("--cost-metric", help="What --cost-target is a fraction of: flops | decode_bytes (default flops).")]
 Sparsity = Annotated[Optional[float], typer.Option("--sparsity", help="Target fraction of skipped (token, group) decisions, in [0, 1).")]
 SparsityAttn = Annotated[Optional[float], typer.Option("--sparsity-attention", help="Per-module target for attention (with --sparsity-ffn).")]
 SparsityFfn = Annotated[Optional[float], typer.Option("--sparsity-ffn", help="Per-module target for the FFN (with --sparsity-attention).")]

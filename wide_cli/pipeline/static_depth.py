@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from wide_cli.errors import ConfigError
-from wide_cli.routing.config import COST_METRICS, RoutingConfig
+from wide_cli.routing.config import RoutingConfig
 
 log = logging.getLogger("wide")
 
@@ -86,76 +86,35 @@ def block_influence(model, sequences: torch.Tensor, *, batch_size: int = 4,
 
 
 # ----------------------------------------------------------------------------- cost and selection
-@dataclass(frozen=True)
-class DepthCost:
-    """Per-token cost of the model split into what layer removal can and cannot remove.
-
-    Attributes:
-        metric: ``flops`` (multiply-adds per token) or ``decode-bytes`` (weight elements read per
-            decode token).
-        per_layer: cost of one decoder layer (all layers of the supported family are equal).
-        fixed: cost no layer removal touches (lm_head; for bytes also the final norm and one
-            embedding row).
-        num_layers: L of the dense model.
-    """
-
-    metric: str
-    per_layer: float
-    fixed: float
-    num_layers: int
-
-    @property
-    def dense(self) -> float:
-        return self.fixed + self.per_layer * self.num_layers
-
-    def fraction(self, removed: int) -> float:
-        """Cost with ``removed`` layers gone, as a fraction of dense."""
-        return (self.fixed + self.per_layer * (self.num_layers - removed)) / self.dense
-
-    @property
-    def floor(self) -> float:
-        """The dense floor: what remains with every layer removed (fraction of dense)."""
-        return self.fixed / self.dense
-
-    @property
-    def reachable(self) -> tuple[float, float]:
-        """``(lowest, highest)`` cost a static-depth model can have: one layer kept .. one removed."""
-        return self.fraction(self.num_layers - 1), self.fraction(1)
-
-
-def depth_cost(shape, *, metric: str = "flops", seq_len: int = 256) -> DepthCost:
-    """The per-layer and fixed per-token cost of ``shape`` under ``metric`` (see ``DepthCost``).
-
-    ``flops``: a layer's q, k, v, o, gate, up, down matmuls and attention core at context
-    ``C = (seq_len + 1) / 2`` (``wide_cli.eval.flops.layer_flops``); fixed: the lm_head. Removing
-    a layer removes its K/V projections and cache too, unlike width routing.
-    ``decode-bytes``: weight elements a decode token reads; a layer's q, k, v, o, gate, up, down
-    and its two norms; fixed: lm_head, final norm and one embedding row.
+def depth_cost(shape, *, metric: str = "flops", seq_len: int = 256):
+    """The project's cost model of ``shape`` (``wide_cli.cost.cost_model``, whole-module groups):
+    dropping a layer removes ``layer_cost`` (its K/V projections and norms too, unlike width
+    routing); ``model_floor`` (lm_head; in decode bytes also the final norm and one embedding row)
+    stays.
 
     Raises:
         ConfigError: an unknown metric.
     """
-    from wide_cli.eval.flops import decode_weight_elements, layer_flops
+    from wide_cli import cost
 
-    if metric == "flops":
-        per_layer = sum(layer_flops(shape, context_len=(seq_len + 1) / 2.0).values())
-        fixed = 2.0 * shape.hidden_size * shape.vocab_size
-    elif metric == "decode-bytes":
-        w = decode_weight_elements(shape)
-        per_layer = (w["routed_attention"] + w["routed_ffn"]) / shape.num_layers + (
-            2.0 * shape.hidden_size * shape.num_kv_heads * shape.head_dim + 2.0 * shape.hidden_size)
-        fixed = w["total"] - per_layer * shape.num_layers
-    else:
-        raise ConfigError(f"unknown cost metric {metric!r}", f"choose one of {', '.join(COST_METRICS)}")
-    return DepthCost(metric, per_layer, fixed, shape.num_layers)
+    if metric not in cost.METRICS:
+        raise ConfigError(f"unknown cost metric {metric!r}", f"choose one of {', '.join(cost.METRICS)}")
+    return cost.cost_model(shape, metric=metric, seq_len=seq_len)
 
 
-def layers_to_remove(influence: torch.Tensor, cost: DepthCost, target: float, *, model_name: str = "the model"
-                     ) -> list[int]:
-    """The least influential layers to remove so that the cost is at most ``target`` of dense.
+def fraction_after(cm, removed: int) -> float:
+    """Cost fraction of dense with ``removed`` layers gone."""
+    return (cm.model_floor + cm.layer_cost * (cm.num_layers - removed)) / cm.dense_total
 
-    Removes the fewest layers that meet the target (ties in Block Influence: the later layer
-    first, as ShortGPT's ranking is stable in index).
+
+def layers_to_remove(influence: torch.Tensor, cm, target: float, *, model_name: str = "the model") -> list[int]:
+    """The least influential layers to remove so that the cost is at most ``target`` of dense
+    (the fewest that meet it; ties in Block Influence: the later layer first).
+
+    Args:
+        influence: ``[L]`` Block Influence per layer.
+        cm: ``wide_cli.cost.CostModel`` of the dense model (``depth_cost``).
+        target: cost fraction of dense in (0, 1).
 
     Returns:
         sorted layer indices to remove (at least one).
@@ -164,21 +123,22 @@ def layers_to_remove(influence: torch.Tensor, cost: DepthCost, target: float, *,
         ConfigError: ``target`` outside (0, 1), or below the lowest reachable cost (one layer
             kept), naming the value and the reachable range.
     """
-    lo, hi = cost.reachable
-    unit = "of dense FLOPs" if cost.metric == "flops" else "of dense decode bytes"
+    from wide_cli import cost
+
+    lo = fraction_after(cm, cm.num_layers - 1)
+    unit = "of dense FLOPs" if cm.metric == "flops" else "of dense decode bytes"
     if not 0.0 < target < 1.0:
         raise ConfigError(f"cost target {target} is outside (0, 1)",
-                          f"static-depth on {model_name} reaches [{lo:.3f}, {hi:.3f}] {unit}")
+                          f"static-depth on {model_name} reaches [{lo:.3f}, 1) {unit}")
     if target < lo - 1e-9:
         raise ConfigError(
             f"cost target {target} is below what static-depth can reach on {model_name}: keeping 1 of "
-            f"{cost.num_layers} layers costs {lo:.3f} {unit} (the dense floor of embeddings and lm_head is "
-            f"{cost.floor:.3f})",
-            f"choose a cost target in [{lo:.3f}, 1); one layer is {cost.per_layer / cost.dense:.3f} of dense",
+            f"{cm.num_layers} layers costs {lo:.3f} {unit} (the dense floor of embeddings and lm_head is "
+            f"{cm.model_floor / cm.dense_total:.3f})",
+            f"choose a cost target in [{lo:.3f}, 1); one layer is {cm.layer_fraction:.3f} of dense",
         )
-    k = next(k for k in range(1, cost.num_layers) if cost.fraction(k) <= target + 1e-9)
     order = sorted(range(len(influence)), key=lambda i: (float(influence[i]), -i))
-    return sorted(order[:k])
+    return sorted(cost.layers_to_drop(cm, target + 1e-9, order))
 
 
 def export_cost(wide_config: dict, shape, *, seq_len: int) -> tuple[dict, float]:
@@ -186,19 +146,19 @@ def export_cost(wide_config: dict, shape, *, seq_len: int) -> tuple[dict, float]
     fewer layers; the source's layer count is in ``wide_config["static_depth"]``).
 
     Returns:
-        ``(flops, decode_bound)``: ``flops`` with the keys of ``wide_cli.eval.flops.routed_flops``
-        that reports use (``relative``, ``dense_flops_per_token``, ``routed_flops_per_token``,
+        ``(flops, decode_bound)``: ``flops`` with the keys of ``wide_cli.cost.flops_report`` that
+        reports use (``relative``, ``dense_flops_per_token``, ``routed_flops_per_token``,
         ``router_flops_per_token``, ``context_len``); ``decode_bound`` = dense / kept decode bytes.
     """
     sel = wide_config["static_depth"]
     source = dataclasses.replace(shape, num_layers=int(sel["num_layers"]))
     removed = len(sel["removed"])
     f = depth_cost(source, metric="flops", seq_len=seq_len)
-    b = depth_cost(source, metric="decode-bytes", seq_len=seq_len)
-    flops = {"relative": f.fraction(removed), "dense_flops_per_token": f.dense,
-             "routed_flops_per_token": f.dense * f.fraction(removed), "router_flops_per_token": 0.0,
-             "context_len": (seq_len + 1) / 2.0}
-    return flops, 1.0 / b.fraction(removed)
+    b = depth_cost(source, metric="decode_bytes", seq_len=seq_len)
+    rel = fraction_after(f, removed)
+    flops = {"relative": rel, "dense_flops_per_token": f.dense_total, "routed_flops_per_token": f.dense_total * rel,
+             "router_flops_per_token": 0.0, "context_len": f.context_len}
+    return flops, 1.0 / fraction_after(b, removed)
 
 
 # ----------------------------------------------------------------------------- the smaller model
@@ -263,11 +223,11 @@ def select(settings, model, packed_train: torch.Tensor, *, calibration_sequences
     shape = model_shape(model.config)
     metric = settings.routing.cost_metric
     target = cost_target_of(settings)
-    cost = depth_cost(shape, metric=metric, seq_len=settings.train.seq_len)
-    layers_to_remove(torch.zeros(shape.num_layers), cost, target, model_name=settings.model.name)
+    cm = depth_cost(shape, metric=metric, seq_len=settings.train.seq_len)
+    layers_to_remove(torch.zeros(shape.num_layers), cm, target, model_name=settings.model.name)
     seqs = packed_train[:calibration_sequences]
     bi = block_influence(model, seqs, batch_size=settings.train.batch_size)
-    removed = layers_to_remove(bi, cost, target, model_name=settings.model.name)
+    removed = layers_to_remove(bi, cm, target, model_name=settings.model.name)
     return {
         "removed": removed,
         "kept": [i for i in range(shape.num_layers) if i not in removed],
@@ -275,7 +235,7 @@ def select(settings, model, packed_train: torch.Tensor, *, calibration_sequences
         "num_layers": shape.num_layers,
         "cost_target": target,
         "cost_metric": metric,
-        "cost_fraction": cost.fraction(len(removed)),
+        "cost_fraction": fraction_after(cm, len(removed)),
         "calibration_tokens": int(seqs.numel()),
     }
 

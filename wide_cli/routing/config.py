@@ -9,8 +9,9 @@ from wide_cli.errors import ConfigError
 from wide_cli.models.arch import ModelShape
 
 METHODS = ("wide", "dynamic-depth", "static-width", "static-depth", "dense")
-#: What ``cost_target`` is a fraction of: dense per-token FLOPs or decode weight bytes read.
-COST_METRICS = ("flops", "decode-bytes")
+#: What ``cost_target`` is a fraction of: dense per-token FLOPs or decode weight bytes read
+#: (``wide_cli.cost.METRICS``).
+COST_METRICS = ("flops", "decode_bytes")
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class RoutingConfig:
         route_attention / route_ffn: which modules get routers.
         tau_start / tau_end: Gumbel-softmax temperature, annealed linearly over optimizer steps.
         cost_target: static-depth: the per-token cost to reach, a fraction of dense in (0, 1)
-            (None = 0.75); cost_metric: what it is a fraction of, ``flops`` or ``decode-bytes``.
+            (None = 0.75); cost_metric: what it is a fraction of, ``flops`` or ``decode_bytes``.
     """
 
     method: str = "wide"
