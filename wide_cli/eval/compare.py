@@ -61,25 +61,13 @@ class SpeedConfig:
             raise ConfigError("warmup and threads must be >= 0")
 
 
-def runtime_for(target: str, *, backend: str, dtype):
-    """The runtime of one target: an export directory, or a model spec run dense."""
-    from wide_cli.export import is_export
-    from wide_cli.runtime.engine import Runtime
-
-    if is_export(target):
-        return Runtime.from_export(target, backend=backend, dtype=dtype)
-    from wide_cli.models.loader import load_model
-
-    lm = load_model(target, dtype=torch.float32)
-    return Runtime.from_model(lm.model, lm.tokenizer, backend=backend, dtype=dtype or torch.float32, routing=False)
-
-
 def measure_speed(targets: list[str], cfg: SpeedConfig, *, log=None) -> dict[str, dict]:
     """Decode (batch 1) and prefill tokens/s of every target's runtime, round-robin, median of
     ``cfg.repeats`` rounds. Returns ``{target: {decode_tokens_per_s, prefill_tokens_per_s,
     decode_seconds, prefill_seconds, sparsity}}`` (``sparsity``: measured in the decode rounds,
     None when the runtime routes nothing)."""
     from wide_cli.runtime.bench import _prompts, _RuntimeSystem, text_token_stream
+    from wide_cli.runtime.engine import Runtime
 
     log = log or (lambda msg: None)
     if cfg.threads > 0:
@@ -87,8 +75,8 @@ def measure_speed(targets: list[str], cfg: SpeedConfig, *, log=None) -> dict[str
     systems = {}
     for t in targets:
         log(f"speed: loading {t} on the {cfg.backend} backend")
-        rt = runtime_for(t, backend=cfg.backend, dtype=cfg.dtype)
-        routed = bool(rt.routing) and any(m.attn_groups or m.ffn_groups for m in rt.meta) and _has_routers(rt)
+        rt = Runtime.from_target(t, backend=cfg.backend, dtype=cfg.dtype)
+        routed = bool(rt.routing) and _has_routers(rt)
         systems[t] = _RuntimeSystem(rt, routed, None, cfg.seed)
     tok = next(iter(systems.values())).rt.tokenizer
     stream = text_token_stream(tok, max(cfg.prefill_len, cfg.decode_prompt_len) * 4)
@@ -117,11 +105,7 @@ def measure_speed(targets: list[str], cfg: SpeedConfig, *, log=None) -> dict[str
 
 def _has_routers(rt) -> bool:
     """True when some layer of the runtime has a router or a static keep mask."""
-    for m in rt.meta:
-        for attr in ("attn_router", "ffn_router", "attn_keep", "ffn_keep"):
-            if getattr(m, attr, None) is not None:
-                return True
-    return False
+    return any(v is not None for m in rt.meta for v in (*m.routers.values(), *m.keeps.values()))
 
 
 def _label(row: dict) -> str:
