@@ -189,13 +189,13 @@ def render_markdown(doc: dict) -> str:
     lines = ["# wide compare", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(c) + " |" for c in cells]
-    lines += ["",
-              f"Quality: tasks {', '.join(q['tasks'])}; limit {q['limit']}; perplexity window {q['seq_len']}; "
-              f"dtype {q['dtype']}. Task average = mean of the zero-shot tasks' summary metric.",
-              f"Speed: runtime backend {sp['backend']}, {env['dtype']}, {env['threads']} thread(s); decode batch 1, "
-              f"{sp['new_tokens']} new tokens after a {sp['decode_prompt_len']}-token prompt; prefill of "
-              f"{sp['prefill_len']} tokens; systems round-robin, {sp['warmup']} warm-up + {sp['repeats']} timed "
-              "rounds, median; speedups vs the dense model in the same rounds.", ""]
+    quality = (f"Quality: tasks {', '.join(q['tasks'])}; limit {q['limit']}; perplexity window {q['seq_len']}; "
+               f"dtype {q['dtype']}. Task average = mean of the zero-shot tasks' summary metric.")
+    speed = (f"Speed: runtime backend {sp['backend']}, {env['dtype']}, {env['threads']} thread(s); decode batch 1, "
+             f"{sp['new_tokens']} new tokens after a {sp['decode_prompt_len']}-token prompt; prefill of "
+             f"{sp['prefill_len']} tokens; systems round-robin, {sp['warmup']} warm-up + {sp['repeats']} timed "
+             "rounds, median; speedups vs the dense model in the same rounds.")
+    lines += ["", quality, speed, ""]
     return "\n".join(lines)
 
 

@@ -9,8 +9,15 @@ from typing import Annotated
 import typer
 
 from wide_cli.cli import options as o
-from wide_cli.cli.commands.eval import (DEFAULT_BATCH_SIZE, DataDirOpt, EvalBatchOpt, EvalSeqLenOpt, LimitOpt,
-                                        TasksOpt, default_data_dir)
+from wide_cli.cli.commands.eval import (
+    DEFAULT_BATCH_SIZE,
+    DataDirOpt,
+    EvalBatchOpt,
+    EvalSeqLenOpt,
+    LimitOpt,
+    TasksOpt,
+    default_data_dir,
+)
 
 Targets = Annotated[list[str], typer.Argument(
     help="The dense model first (alias, HF id, local dir, .gguf), then the exports to compare with it.")]

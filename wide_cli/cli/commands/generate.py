@@ -9,7 +9,6 @@ by each of them and the continuations are printed side by side (``--json``: ``{"
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
