@@ -265,9 +265,11 @@ def pareto_plot(rows: list[dict], path: Path, *, title: str = "") -> Path:
 
 def compare(targets: list[str], *, tasks: list[str], data_dir: Path | None, limit: int | None, seq_len: int | None,
             batch_size: int, dtype: str, cache_dir: Path | None, speed: SpeedConfig, out_dir: Path | None,
-            log=None) -> dict:
+            word_perplexity: bool = False, log=None) -> dict:
     """Evaluate and time ``targets`` (the first is normally the dense model); returns the report
     (module docstring) and writes ``report.json``, ``report.md`` and ``pareto.png`` to ``out_dir``.
+    WikiText-2 is scored token-level only unless ``word_perplexity`` (lm-eval's rolling protocol too,
+    twice the time).
 
     Raises:
         ConfigError / DataError: bad settings or data, before any model is loaded (speed
@@ -287,7 +289,8 @@ def compare(targets: list[str], *, tasks: list[str], data_dir: Path | None, limi
         raise ConfigError(f"wide compare needs the dense model and at least one export (got {len(targets)})",
                           "e.g. wide compare smollm2-135m runs/a/export runs/b/export")
     report = evaluate_targets(targets, tasks=tasks, data_dir=data_dir, limit=limit, seq_len=seq_len,
-                              batch_size=batch_size, dtype=dtype, device="cpu", cache_dir=cache_dir)
+                              batch_size=batch_size, dtype=dtype, device="cpu", cache_dir=cache_dir,
+                              wikitext_protocols=("token", "harness") if word_perplexity else ("token",))
     _attach_export_facts(report)
     spd = measure_speed(targets, speed, log=log)
     rows = compare_rows(report, spd)
