@@ -202,15 +202,13 @@ def render_markdown(doc: dict) -> str:
 def pareto_plot(rows: list[dict], path: Path, *, title: str = "") -> Path:
     """Perplexity and task average against measured decode speedup, one marker per (method, cost
     point); written atomically as PNG."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    from wide_cli.atomic import atomic_write_bytes
+    from wide_cli.eval.plots import save_figure
 
     pts = [r for r in rows if r["decode_speedup"] is not None]
     have_tasks = any(r["task_avg"] is not None for r in pts)
@@ -253,14 +251,13 @@ def pareto_plot(rows: list[dict], path: Path, *, title: str = "") -> Path:
         axes[0][0].legend(fontsize=8, loc="best")
         if title:
             fig.suptitle(title, fontsize=10)
-        fig.text(0.01, 0.01, "labels: cost target (fraction of dense per-token cost) or s= sparsity target", fontsize=7, color="grey")
+        fig.text(0.01, 0.01, "labels: cost target (fraction of dense per-token cost) or s= sparsity target",
+                 fontsize=7, color="grey")
         fig.tight_layout(rect=(0, 0.03, 1, 1))
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-    finally:
+    except BaseException:
         plt.close(fig)
-    atomic_write_bytes(Path(path), buf.getvalue())
-    return Path(path)
+        raise
+    return save_figure(fig, path)
 
 
 def compare(targets: list[str], *, tasks: list[str], data_dir: Path | None, limit: int | None, seq_len: int | None,
