@@ -135,20 +135,21 @@ def check_tensor_parallel(
     if tp < 1:
         raise ConfigError(f"tensor-parallel-size {tp} must be >= 1")
 
-    def fits(t: int) -> bool:
-        return (
-            num_heads % t == 0
-            and num_kv_heads % t == 0 or (num_heads % t == 0 and t % num_kv_heads == 0)
-        ) and (num_heads // t) % attn_group_size == 0 and intermediate_size % t == 0 and (
-            intermediate_size // t
-        ) % ffn_group_size == 0
+    def heads_ok(t: int) -> bool:
+        return num_heads % t == 0 and (num_heads // t) % attn_group_size == 0
 
-    if fits(tp):
+    def ffn_ok(t: int) -> bool:
+        return intermediate_size % t == 0 and (intermediate_size // t) % ffn_group_size == 0
+
+    def kv_ok(t: int) -> bool:  # vLLM splits KV heads, or replicates them when there are fewer
+        return num_kv_heads % t == 0 if num_kv_heads >= t else t % num_kv_heads == 0
+
+    if heads_ok(tp) and ffn_ok(tp) and kv_ok(tp):
         return
-    ok = [t for t in range(1, num_heads + 1) if fits(t)]
-    if num_heads % tp or (num_heads // tp) % attn_group_size:
+    ok = [t for t in range(1, num_heads + 1) if heads_ok(t) and ffn_ok(t) and kv_ok(t)]
+    if not heads_ok(tp):
         what = f"{num_heads} query heads / tp {tp} is not a multiple of the attention group size {attn_group_size}"
-    elif intermediate_size % tp or (intermediate_size // tp) % ffn_group_size:
+    elif not ffn_ok(tp):
         what = f"intermediate size {intermediate_size} / tp {tp} is not a multiple of the FFN group size {ffn_group_size}"
     else:
         what = f"{num_kv_heads} KV heads cannot be split over tp {tp}"
