@@ -49,7 +49,7 @@ $(SERVE_STAMP): pyproject.toml Makefile
 
 # vLLM serving tests (minutes: each engine start compiles the model); `make test` skips them.
 test-serving: setup serve-setup
-	WIDE_SERVE_TESTS=1 WIDE_SERVE_PYTHON=$(abspath $(SPY)) $(PY) -m pytest -q -ra tests/serve_vllm
+	WIDE_SERVE_TESTS=1 WIDE_SERVE_PYTHON=$(abspath $(SPY)) $(PY) -m pytest -q -ra -m serving tests/serve
 
 lint: setup
 	$(VENV)/bin/ruff check wide_cli tests

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 # head_dim 32 (the CPU attention kernel's smallest), H = 6 over H_kv = 2, F = 512 = 4 x 128.
-SHAPE = dict(hidden_size=192, num_attention_heads=6, num_key_value_heads=2, head_dim=32, intermediate_size=512)
+SHAPE = {"hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 512}
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 
 

@@ -22,7 +22,7 @@ WIDE = [sys.executable, "-m", "wide_cli"]
 
 
 def _wide(args, env=None, timeout=120):
-    return subprocess.run(WIDE + list(map(str, args)), capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(WIDE + list(map(str, args)), capture_output=True, text=True, timeout=timeout, check=False,
                           env={**os.environ, **(env or {})})  # fmt: skip
 
 
@@ -82,7 +82,7 @@ def test_plan_refuses_non_exports_and_unsupported_architectures(tmp_path, export
 # ------------------------------------------------------------------------------ tensor parallel
 
 
-SMOLLM2 = dict(num_heads=9, num_kv_heads=3, intermediate_size=1536, attn_group_size=3, ffn_group_size=128)
+SMOLLM2 = {"num_heads": 9, "num_kv_heads": 3, "intermediate_size": 1536, "attn_group_size": 3, "ffn_group_size": 128}
 
 
 def test_tensor_parallel_keeps_groups_on_one_shard():
@@ -90,7 +90,7 @@ def test_tensor_parallel_keeps_groups_on_one_shard():
     check_tensor_parallel(**SMOLLM2, tp=3)  # 3 heads (one group) and 512 = 4 x 128 channels per rank
     with pytest.raises(ConfigError, match=r"9 query heads / tp 2 is not a multiple of the attention group size 3.*\[1, 3\]"):
         check_tensor_parallel(**SMOLLM2, tp=2)
-    wide_ffn = dict(num_heads=64, num_kv_heads=8, intermediate_size=14336, attn_group_size=4, ffn_group_size=256)
+    wide_ffn = {"num_heads": 64, "num_kv_heads": 8, "intermediate_size": 14336, "attn_group_size": 4, "ffn_group_size": 256}
     check_tensor_parallel(**wide_ffn, tp=8)  # 1792 = 7 x 256 channels per rank
     with pytest.raises(ConfigError, match="intermediate size 14336 / tp 16 is not a multiple of the FFN group size 256"):
         check_tensor_parallel(**wide_ffn, tp=16)  # 896 channels: 3.5 groups

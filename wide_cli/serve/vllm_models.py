@@ -45,7 +45,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from vllm.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -98,7 +97,7 @@ def _count(kind: str, plan, mask: torch.Tensor, group_macs: int, M: int) -> None
 def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, w_gu: torch.Tensor, w_down_t: torch.Tensor) -> torch.Tensor:
     """``x [M, D]``, ``mask [M, G]`` bool, ``w_gu [G, 2g, D]``, ``w_down_t [G*g, D]`` -> ``[M, D]``."""
     plan = cpu_ops._plan(mask)
-    G, g2, D = w_gu.shape
+    _, g2, D = w_gu.shape
     _count("ffn", plan, mask, 3 * (g2 // 2) * D, x.shape[0])
     return cpu_ops.ffn_grouped(x, w_gu, w_down_t, mask, g2 // 2, plan)
 

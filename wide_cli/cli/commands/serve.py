@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -15,14 +15,14 @@ def serve_cmd(
     host: Annotated[str, typer.Option("--host", help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8000,
     dtype: Annotated[str, typer.Option("--dtype", help="auto | float32 | bfloat16 | float16.")] = "auto",
-    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", help="Context length in tokens (default: the model's).")] = None,
-    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The `model` name clients send (default: the export directory's name).")] = None,
+    max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="Context length in tokens (default: the model's).")] = None,
+    served_model_name: Annotated[str | None, typer.Option("--served-model-name", help="The `model` name clients send (default: the export directory's name).")] = None,
     kv_cache_gib: Annotated[int, typer.Option("--kv-cache-gib", help="KV-cache space on CPU, GiB (VLLM_CPU_KVCACHE_SPACE).")] = DEFAULT_KV_CACHE_GIB,
     tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", "--tp", help="Tensor-parallel ranks; every routed group must stay on one rank.")] = 1,
     all_on: Annotated[bool, typer.Option("--all-on", help="Execute every group (the backbone as a dense model; routers still run).")] = False,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No torch.compile: faster start-up, slower steps.")] = False,
     startup_timeout: Annotated[float, typer.Option("--startup-timeout", help="Seconds to wait for the server to become ready.")] = 900.0,
-    vllm_arg: Annotated[Optional[list[str]], typer.Option("--vllm-arg", help="One more vLLM server argument, passed as is; repeatable.")] = None,
+    vllm_arg: Annotated[list[str] | None, typer.Option("--vllm-arg", help="One more vLLM server argument, passed as is; repeatable.")] = None,
 ):
     """Serve EXPORT on vLLM's OpenAI-compatible API (/v1/completions, /v1/chat/completions) with
     per-token routing inside vLLM's model code; prints the URL; Ctrl-C stops it.
@@ -32,7 +32,14 @@ def serve_cmd(
     import sys
 
     from wide_cli.serve.config import serve_plan, serving_python
-    from wide_cli.serve.server import ServeOptions, check_plan_tp, check_port_free, run_server, server_command, server_env
+    from wide_cli.serve.server import (
+        ServeOptions,
+        check_plan_tp,
+        check_port_free,
+        run_server,
+        server_command,
+        server_env,
+    )
 
     plan = serve_plan(export, mode="all-on" if all_on else "routed")
     opts = ServeOptions(
