@@ -28,6 +28,11 @@ $(STAMP): pyproject.toml Makefile
 
 demo: setup
 	$(VENV)/bin/wide prune smollm2-135m --recipe recipes/smollm2-135m-cpu.toml --run-dir runs/demo --out runs/demo/export
+	# what a person sees: dense and pruned continuations side by side (the runtime, greedy)
+	$(VENV)/bin/wide generate smollm2-135m runs/demo/export --max-new-tokens 40 \
+	    -p "The history of the Roman Empire" -p "The best way to learn a new language is" -p "Water boils at"
+	$(VENV)/bin/wide generate smollm2-135m runs/demo/export --chat --max-new-tokens 40 \
+	    -p "What is the capital of France?" -p "Give me three tips for staying healthy."
 
 test: setup
 	$(PY) -m pytest -q -ra tests

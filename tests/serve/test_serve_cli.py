@@ -206,3 +206,24 @@ def test_ctrl_c_prints_nothing_more_and_stops_the_server_group(tmp_path, export_
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_json_prints_one_object_and_sigterm_stops_the_server_group(tmp_path, export_factory):
+    pids = tmp_path / "pids"
+    port = _free_port()
+    env = {**os.environ, "WIDE_SERVE_PYTHON": str(_fake_python(tmp_path)), "FAKE_PIDS": str(pids), "FAKE_HEALTHY": "1"}
+    export = export_factory("llama")
+    p = subprocess.Popen(WIDE + ["serve", str(export), "--port", str(port), "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        info = json.loads(p.stdout.readline())
+        assert info == {"url": f"http://127.0.0.1:{port}/v1", "model": export.name, "export": str(export),
+                        "architecture": "WideLlamaForCausalLM", "routing": True}  # fmt: skip
+        server_pids = list(map(int, pids.read_text().split()))
+        p.terminate()
+        assert p.wait(timeout=60) == 130
+        assert _wait_gone(server_pids)
+        assert p.stdout.read() == ""
+    finally:
+        if p.poll() is None:
+            p.kill()

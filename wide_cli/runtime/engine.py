@@ -273,6 +273,23 @@ class Runtime:
         return cls(weights, backend, dtype=dtype, tokenizer=tok, routing=routing)
 
     @classmethod
+    def from_target(cls, target, *, backend: Backend | str = "cpu", dtype=None, routing: bool = True) -> Runtime:
+        """An export directory (``from_export``), or any model spec ``load_model`` accepts (alias
+        such as ``smollm2-135m``, local Hugging Face directory, ``.gguf``), run dense.
+
+        Raises:
+            CheckpointError: a broken export. ModelSourceError: an unknown or unsupported model.
+        """
+        from wide_cli.export import is_export
+
+        if is_export(target):
+            return cls.from_export(target, backend=backend, dtype=dtype, routing=routing)
+        from wide_cli.models.loader import load_model
+
+        lm = load_model(str(target), dtype=torch.float32)
+        return cls.from_model(lm.model, lm.tokenizer, backend=backend, dtype=dtype or torch.float32, routing=False)
+
+    @classmethod
     def from_model(cls, model, tokenizer=None, *, backend: Backend | str = "cpu", dtype=None,
                    routing: bool | None = None) -> Runtime:
         """Read an in-memory Hugging Face model (routed by ``attach_routers`` or plain).
@@ -292,6 +309,16 @@ class Runtime:
         """Build from HF-named ``tensors`` and a HF ``config`` (e.g. a physically pruned layer, B05)."""
         weights = weights_from_tensors(config, tensors, routers or {}, wide_config, allow_extra=allow_extra)
         return cls(weights, backend, dtype=dtype, tokenizer=tokenizer, routing=routing)
+
+    def shape(self):
+        """The ``ModelShape`` of the loaded model (for ``wide_cli.cost``), read from layer 0."""
+        from wide_cli.models.arch import ModelShape
+
+        m = self.meta[0]
+        return ModelShape(num_layers=len(self.meta), hidden_size=self.embed.shape[1], num_heads=m.num_heads,
+                          num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                          intermediate_size=m.ffn_groups * m.ffn_group_size, vocab_size=self.vocab_size,
+                          model_type="llama")
 
     def _meta(self, lw: LayerWeights) -> _LayerMeta:
         dev = self.device

