@@ -321,6 +321,27 @@ class Runtime:
         return cls(weights, backend, dtype=dtype, tokenizer=tok, routing=routing, weight_format=weight_format)
 
     @classmethod
+    def from_target(cls, target, *, backend: Backend | str = "cpu", dtype=None, routing: bool = True,
+                    weight_format: str | None = None) -> Runtime:
+        """An export directory (``from_export``), or any model spec ``load_model`` accepts (alias
+        such as ``smollm2-135m``, local Hugging Face directory, ``.gguf``), run dense.
+
+        Raises:
+            CheckpointError: a broken export. ModelSourceError: an unknown or unsupported model.
+        """
+        from wide_cli.export import is_export
+
+        if is_export(target):
+            return cls.from_export(target, backend=backend, dtype=dtype, routing=routing, weight_format=weight_format)
+        from wide_cli.models.loader import load_model
+
+        lm = load_model(str(target), dtype=torch.float32)
+        if weight_format is None:
+            dtype = dtype or torch.float32
+        return cls.from_model(lm.model, lm.tokenizer, backend=backend, dtype=dtype, routing=False,
+                              weight_format=weight_format)
+
+    @classmethod
     def from_model(cls, model, tokenizer=None, *, backend: Backend | str = "cpu", dtype=None,
                    routing: bool | None = None, weight_format: str | None = None) -> Runtime:
         """Read an in-memory Hugging Face model (routed by ``attach_routers`` or plain).
