@@ -196,10 +196,9 @@ def test_int8_refuses_widths_the_kernel_cannot_take(routed_model):
 
 
 def test_cli_weights_flag(tiny_export):
-    from wide_cli.cli.app import main
     from typer.testing import CliRunner
 
-    from wide_cli.cli.app import app
+    from wide_cli.cli.app import app, main
 
     def gen(*extra):
         r = CliRunner().invoke(app, ["generate", str(tiny_export), "-p", "hello", "--threads", "1", "--json",

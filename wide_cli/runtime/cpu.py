@@ -366,7 +366,7 @@ def gemm_k(a, w, mask, group_size, bias=None):
 
 def gemm_mn_swiglu(a, w_gate, w_up, mask, group_size):
     """Work-skipping ``ops.gemm_mn_swiglu``."""
-    N, K = w_gate.shape
+    N = w_gate.shape[0]
     G, g = N // group_size, group_size
     p = _float_proj(grouped_gate_up(w_gate, w_up, g), "n")
     state = _mask_state(mask)

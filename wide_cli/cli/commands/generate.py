@@ -111,7 +111,7 @@ def _prompts_for(rt, prompts: list[str], chat: bool) -> list[str]:
 
 
 def _side_by_side(models: list[str], prompts: list[str], *, max_new_tokens: int, backend: str, sampling, stop,
-                  chat: bool, ignore_eos: bool, no_routing: bool, dtype, json_out: bool) -> None:
+                  chat: bool, ignore_eos: bool, no_routing: bool, dtype, json_out: bool, weights: str | None = None) -> None:
     """Every prompt through every model (one at a time, same sampling), one table: a row per
     prompt, a column per model."""
     from rich.table import Table
@@ -135,7 +135,7 @@ def _side_by_side(models: list[str], prompts: list[str], *, max_new_tokens: int,
     t.add_column("prompt", ratio=1)
     for d in docs:
         t.add_column(d["model"], ratio=2)
-    for i, p in enumerate(prompts, weights=None):
+    for i, p in enumerate(prompts):
         t.add_row(p, *[" ".join(d["texts"][i].split()) for d in docs])
     from rich.console import Console
 
