@@ -168,3 +168,22 @@ def test_help_lists_every_command():
     r = CliRunner().invoke(app, ["--help"])
     for cmd in ("prune", "calibrate", "train", "export", "eval", "recipes"):
         assert cmd in r.output
+
+
+@pytest.mark.parametrize("form", [["--nproc=2"], ["--nproc", "2"]])
+def test_nproc_in_either_form_relaunches_under_torchrun_without_the_flag(form, monkeypatch):
+    """``--nproc=2`` (the ``=`` form) re-runs under torchrun like ``--nproc 2``."""
+    from wide_cli.train import distributed
+
+    seen = {}
+
+    def fake_relaunch(nproc, argv):
+        seen.update(nproc=nproc, argv=argv)
+        return 0
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(distributed, "relaunch_with_torchrun", fake_relaunch)
+    argv = ["prune", "tiny-llama", *form, "--steps", "4", "--attn-group-size", "2"]
+    monkeypatch.setattr("sys.argv", ["wide", *argv])
+    assert main(argv) == 0
+    assert seen == {"nproc": 2, "argv": ["prune", "tiny-llama", "--steps", "4", "--attn-group-size", "2"]}
