@@ -187,3 +187,13 @@ def test_nproc_in_either_form_relaunches_under_torchrun_without_the_flag(form, m
     monkeypatch.setattr("sys.argv", ["wide", *argv])
     assert main(argv) == 0
     assert seen == {"nproc": 2, "argv": ["prune", "tiny-llama", "--steps", "4", "--attn-group-size", "2"]}
+
+
+def test_prune_without_group_flags_uses_one_attention_group_per_kv_head(tmp_path, text_file):
+    """tiny-llama has 4 query heads and 2 KV heads: the default attention group is 2 heads."""
+    args = ["prune", "tiny-llama", "--data", str(text_file), "--run-dir", str(tmp_path / "r"), "--steps", "2",
+            "--seq-len", "32", "--batch-size", "2", "--eval-max-tokens", "512", "--json"]
+    r = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    wcfg = json.loads((tmp_path / "r" / "export" / "wide_config.json").read_text())
+    assert wcfg["layout"]["attn_group_size"] == 2 and wcfg["layout"]["attn_groups"] == 2

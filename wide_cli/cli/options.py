@@ -68,7 +68,7 @@ Sparsity = Annotated[Optional[float], typer.Option("--sparsity", help="Target fr
 SparsityAttn = Annotated[Optional[float], typer.Option("--sparsity-attention", help="Per-module target for attention (with --sparsity-ffn).")]
 SparsityFfn = Annotated[Optional[float], typer.Option("--sparsity-ffn", help="Per-module target for the FFN (with --sparsity-attention).")]
 SparsityWeight = Annotated[Optional[float], typer.Option("--sparsity-weight", help="lambda of the sparsity loss (default 20).")]
-AttnGroup = Annotated[Optional[int], typer.Option("--attn-group-size", help="Query heads per attention group (divides H).")]
+AttnGroup = Annotated[Optional[int], typer.Option("--attn-group-size", help="Query heads per attention group (divides H; default: heads per KV head, one group per KV head).")]
 FfnGroup = Annotated[Optional[int], typer.Option("--ffn-group-size", help="FFN channels per group (divides the intermediate size).")]
 RouterRank = Annotated[Optional[int], typer.Option("--router-rank", help="Router bottleneck rank r (default 32).")]
 TauStart = Annotated[Optional[float], typer.Option("--tau-start", help="Gumbel temperature at the first step (default 5.0).")]
