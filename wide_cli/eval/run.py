@@ -147,9 +147,9 @@ def resolve_seq_len(plan: EvalPlan, model, tokenizer) -> int:
     max_len = resolve_max_length(model, tokenizer)
     if plan.seq_len is None:
         return min(DEFAULT_SEQ_LEN, max_len)
-    if plan.seq_len > max_len:
-        raise ConfigError(f"seq-len {plan.seq_len} exceeds the model's context length {max_len}",
-                          f"pass --seq-len {max_len} or less")
+    from wide_cli.models.arch import check_context
+
+    check_context(plan.seq_len, max_len, f"seq-len {plan.seq_len}", f"pass --seq-len {max_len} or less")
     return plan.seq_len
 
 

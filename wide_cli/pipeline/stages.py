@@ -47,14 +47,16 @@ def effective_settings(settings: Settings) -> Settings:
 
 
 def load_backbone(settings: Settings):
-    """Load the dense model of ``settings.model`` (LoadedModel) and check the routing settings
-    against it (group sizes must divide H and F) before any work is done.
+    """Load the dense model of ``settings.model`` (LoadedModel) and check the settings against
+    it before any work is done: group sizes must divide H and F, and the training and
+    perplexity sequence lengths must fit in the model's context (the rule of ``wide eval``).
 
     Raises:
         ModelSourceError: unknown/missing model, unsupported architecture.
-        ConfigError: a group size that does not fit the model.
+        ConfigError: a group size that does not fit the model; a sequence length longer than
+            the model's context length, naming both numbers.
     """
-    from wide_cli.models.arch import model_shape
+    from wide_cli.models.arch import check_context, context_length, model_shape
     from wide_cli.models.loader import load_model, resolve_dtype
     from wide_cli.routing.config import resolve_groups
 
@@ -63,6 +65,12 @@ def load_backbone(settings: Settings):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         resolve_groups(settings.routing, model_shape(loaded.model.config))
+    max_len = context_length(loaded.model.config)
+    check_context(settings.train.seq_len, max_len, f"seq-len {settings.train.seq_len}",
+                  f"pass --seq-len {max_len} or less")
+    if settings.eval.seq_len:
+        check_context(settings.eval.seq_len, max_len, f"eval-seq-len {settings.eval.seq_len}",
+                      f"pass --eval-seq-len {max_len} or less")
     return loaded
 
 

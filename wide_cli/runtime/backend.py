@@ -118,6 +118,8 @@ class ModelWeights:
             by transformers' ``ROPE_INIT_FUNCTIONS`` (B26).
         eos_token_ids: ids that end generation.
         tied: lm_head is embed.
+        max_positions: the model's context length (config ``max_position_embeddings``), None
+            when the config declares none.
     """
 
     embed: torch.Tensor
@@ -130,6 +132,7 @@ class ModelWeights:
     eos_token_ids: tuple[int, ...] = ()
     tied: bool = False
     extra: dict = field(default_factory=dict)
+    max_positions: int | None = None
 
 
 @runtime_checkable
@@ -351,7 +354,7 @@ def weights_from_tensors(
             ``allow_extra``), shapes that do not fit together, an untied model without
             ``lm_head.weight`` (B14), routers that do not match the layer widths.
     """
-    from wide_cli.models.arch import check_supported
+    from wide_cli.models.arch import check_supported, context_length
 
     check_supported(config)
     info = wide_config if isinstance(wide_config, RoutingInfo) else RoutingInfo.from_wide_config(wide_config)
@@ -433,7 +436,7 @@ def weights_from_tensors(
     return ModelWeights(
         embed=embed, lm_head=lm_head, final_norm=final_norm, layers=out_layers,
         rms_eps=float(getattr(config, "rms_norm_eps", 1e-6)), inv_freq=inv_freq, rope_scale=scale,
-        eos_token_ids=_eos_ids(config, extra_eos), tied=bool(tied),
+        eos_token_ids=_eos_ids(config, extra_eos), tied=bool(tied), max_positions=context_length(config),
     )  # fmt: skip
 
 
