@@ -381,15 +381,16 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
             "ffn_groups": layout.ffn_groups,
             "kv_aligned": layout.kv_aligned,
         },
-        "measured_sparsity": {**measured, "data": "held-out split of " + settings.data.train},
-        "source_model": {"spec": loaded.source, "resolved": loaded.resolved, "revision": loaded.revision},
+        "measured_sparsity": {**measured, "data": "held-out split of " + shareable(settings.data.train)},
+        "source_model": {**loaded.provenance, "spec": shareable(loaded.source), "resolved": loaded.resolved,
+                         "revision": loaded.revision},
         "lora": (
             {"merged": True, "rank": settings.stage2.lora_rank, "alpha": settings.stage2.lora_alpha,
              "target_modules": list(settings.stage2.target_modules)}
             if settings.stage2.enabled and (run.stage2 / "adapter.safetensors").is_file() else None
         ),
         "train": train_info,
-        "settings": settings.to_dict(),
+        "settings": shareable_settings(settings.to_dict()),
         "metrics": metrics or {},
     }
     try:
@@ -403,6 +404,25 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
             "free disk space or choose another --out, then re-run `wide export`; any previous export there is "
             "untouched",
         ) from e
+
+
+def shareable(value: str | None) -> str | None:
+    """``value`` as an export may record it: a local file or directory (or any absolute path)
+    becomes its name, so a shared export names no path of the machine that built it; aliases,
+    hub ids and ``builtin:`` sources stay as they are."""
+    if not value:
+        return value
+    p = Path(value).expanduser()
+    return p.name if p.is_absolute() or p.exists() else value
+
+
+def shareable_settings(d: dict) -> dict:
+    """``Settings.to_dict()`` with the model and data paths passed through ``shareable``."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    for section, key in (("model", "name"), ("data", "train"), ("data", "eval")):
+        if key in out.get(section, {}):
+            out[section][key] = shareable(out[section][key])
+    return out
 
 
 def _write_failure(e: Exception) -> str | None:
