@@ -49,13 +49,15 @@ def test_naive_gemm_baselines_match_the_references(M):
     g = torch.Generator().manual_seed(M)
     a, w, w2 = (torch.randn(*s, generator=g) for s in ((M, 64), (96, 64), (96, 64)))
     mask = _masks(M, 3, M)
-    torch.testing.assert_close(gpu_check._naive_mn(a, w, None, mask, 32), ops.gemm_mn(a, w, mask, 32))
-    torch.testing.assert_close(
-        gpu_check._naive_mn(a, w, w2, mask, 32), ops.gemm_mn_swiglu(a, w, w2, mask, 32)
-    )
+    # fp32 sums of 64-96 products: BLAS blocks the reduction differently with the thread count and
+    # the matrix shape, so the two paths round differently by a few ulp of values of order 1-10.
+    tol = dict(atol=1e-4, rtol=1e-5)
+    close = torch.testing.assert_close
+    close(gpu_check._naive_mn(a, w, None, mask, 32), ops.gemm_mn(a, w, mask, 32), **tol)
+    close(gpu_check._naive_mn(a, w, w2, mask, 32), ops.gemm_mn_swiglu(a, w, w2, mask, 32), **tol)
     wk = torch.randn(48, 96, generator=g)
     ak = torch.randn(M, 96, generator=g)
-    torch.testing.assert_close(gpu_check._naive_k(ak, wk, mask, 32), ops.gemm_k(ak, wk, mask, 32))
+    close(gpu_check._naive_k(ak, wk, mask, 32), ops.gemm_k(ak, wk, mask, 32), **tol)
 
 
 def test_naive_attention_baselines_match_the_references():
