@@ -56,7 +56,8 @@ def _run_main(argv, capsys):
         (["--sparsity", "-0.2"], "sparsity -0.2 is outside [0, 1)"),
         (["--sparsity-attention", "0.5"], "sparsity-attention and sparsity-ffn must be set together"),
         (["--method", "banana"], "unknown method 'banana'"),
-        (["--seq-len", "100000"], "too few for one training and one held-out sequence of seq-len 100000"),
+        (["--seq-len", "100000"], "seq-len 100000 exceeds the model's context length 512"),
+        (["--seq-len", "500", "--max-train-tokens", "700"], "too few for one training and one held-out sequence of seq-len 500"),
     ],
 )
 def test_bad_settings_fail_with_one_line_and_nothing_written(tmp_path, text_file, capsys, flags, message):
