@@ -14,6 +14,9 @@ RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run direct
 OutOpt = Annotated[Optional[Path], typer.Option("--out", help="Export directory (default <run-dir>/export).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout (logs go to stderr).")]
 NprocOpt = Annotated[int, typer.Option("--nproc", help="Data-parallel processes (re-runs itself under torchrun).")]
+TrustRemoteCodeOpt = Annotated[bool, typer.Option(
+    "--trust-remote-code", help="Run the Python files an --format hf export ships (by default wide loads it into "
+    "its own classes and refuses an export whose code differs from what this wide generates).")]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last checkpoint.")]
 
 # CLI option name (the Python parameter) -> (settings section, field).

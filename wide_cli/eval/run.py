@@ -43,12 +43,13 @@ class Target:
     wide_config: dict | None = None
 
 
-def load_target(target: str, *, dtype, device) -> Target:
-    """Load one target (see the module docstring). ``dtype`` is a torch dtype."""
+def load_target(target: str, *, dtype, device, trust_remote_code: bool = False) -> Target:
+    """Load one target (see the module docstring). ``dtype`` is a torch dtype;
+    ``trust_remote_code`` lets an hf export's shipped code run (``load_hf_export``)."""
     from wide_cli.export import is_export, load_pruned
 
     if is_export(target):
-        pm = load_pruned(target, dtype=dtype, device=device)
+        pm = load_pruned(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         wcfg = pm.wide_config or {}
         state = getattr(pm.model, "wide_routing", None)
         dense = state is None or state.cfg.method == "dense"
@@ -273,6 +274,7 @@ def evaluate_targets(
     out_dir: Path | None = None,
     stride: int | None = None,
     cache_dir: Path | None = None,
+    trust_remote_code: bool = False,
 ) -> dict:
     """Evaluate models side by side and build the comparison report.
 
@@ -292,6 +294,7 @@ def evaluate_targets(
         cache_dir: when set, a model's row is read from there if its weights, the data, these
             settings and the evaluation code are unchanged, and stored there otherwise
             (``wide_cli.eval.cache``).
+        trust_remote_code: run the Python files of hf-format exports (never by default).
 
     Returns:
         The report dict (schema in ``wide_cli.eval.report``).
@@ -315,7 +318,7 @@ def evaluate_targets(
     tdtype = resolve_dtype(dtype, device)
     rows, dense_ref, warnings_ = [], None, []
     for name in targets:
-        tgt = load_target(name, dtype=tdtype, device=device)
+        tgt = load_target(name, dtype=tdtype, device=device, trust_remote_code=trust_remote_code)
         if tgt.kind == "dense" and dense_ref is None:
             dense_ref = Target(tgt.name, None, None, "dense", tgt.source)
         key = cache.cache_key(tgt, plan, dtype=tdtype, device=device) if cache_dir is not None else None

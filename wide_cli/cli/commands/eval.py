@@ -55,6 +55,7 @@ def eval_cmd(
     out: ReportOutOpt = None,
     cache_dir: Annotated[Path | None, typer.Option(
         "--cache-dir", help="Reuse each model's results from DIR when model, data, settings and code match; store new ones there.")] = None,
+    trust_remote_code: o.TrustRemoteCodeOpt = False,
     json_out: o.JsonOpt = False,
 ):
     """Evaluate models: WikiText-2 perplexity (token-level and lm-eval word-level), zero-shot
@@ -85,6 +86,7 @@ def eval_cmd(
         eval_data=eval_data,
         out_dir=out,
         cache_dir=cache_dir,
+        trust_remote_code=trust_remote_code,
     )
     render.err.print(render_table(report))
     if out is not None:
