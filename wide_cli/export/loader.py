@@ -158,9 +158,18 @@ def load_pruned(
         if smoke_check:
             _smoke_check(pm.model, pm.tokenizer, path)
         return pm
+    from transformers import AutoConfig
+
+    from wide_cli.models.consistency import check_export_shapes
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path / 'config.json'}: {e}", "re-run `wide export`") from None
+    check_export_shapes(path, config)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, output_loading_info=True, local_files_only=True
+            path, config=config, dtype=dtype, output_loading_info=True, local_files_only=True
         )
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         bad = unreadable_weights(path)

@@ -393,7 +393,8 @@ def load_tokenizer(path: str | Path):
         from transformers import PreTrainedTokenizerFast  # TokenizersBackend in transformers 5
 
         return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    # never a tokenizer class shipped as code (nor transformers' interactive y/N prompt about it)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
 
 
 def _ensure_pad(tokenizer) -> None:
@@ -424,15 +425,23 @@ def load_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | t
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from wide_cli.models.consistency import check_export_shapes
+
     local_dir, resolved, revision = resolve_source(spec)
     try:
-        config = AutoConfig.from_pretrained(local_dir, local_files_only=True)
+        config = AutoConfig.from_pretrained(local_dir, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError) as e:  # a model_type this transformers does not know
         raise ModelSourceError(f"cannot read the config of {spec!r}: {e}",
                                f"wide supports {', '.join(SUPPORTED_ARCHITECTURES)}") from e
     check_supported(config)  # before reading the weights: a clear error, fast
+    check_export_shapes(local_dir, config, error=ModelSourceError,
+                        hint="the model's config.json does not describe its weights; restore the original config.json")
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(local_dir, dtype=dtype, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(local_dir, config=config, dtype=dtype, local_files_only=True)
+    except (OSError, RuntimeError, ValueError) as e:  # size mismatches, unreadable weights: bad input
+        raise ModelSourceError(f"cannot load the weights of {spec!r} ({local_dir}): {str(e).splitlines()[0]}",
+                               "check that config.json and the weight files belong together") from None
     tokenizer = load_tokenizer(local_dir)
     model = model.to(device).eval()
     _ensure_pad(tokenizer)

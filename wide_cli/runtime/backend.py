@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from wide_cli.errors import ConfigError
+from wide_cli.errors import CheckpointError, ConfigError
 
 
 @dataclass
@@ -572,9 +572,11 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from wide_cli.export.hf_format import hf_export_config, is_hf_export
     from wide_cli.export.loader import read_wide_config
     from wide_cli.export.manifest import verify_manifest
     from wide_cli.export.writer import ROUTERS_FILE
+    from wide_cli.models.consistency import check_config_matches
 
     path = Path(path)
     if verify:
@@ -582,14 +584,24 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
     wcfg = read_wide_config(path)
     if verify and manifest.get("export_id") != wcfg.get("export_id"):
         raise _ckpt_error(f"{path / 'manifest.json'} belongs to another export", "re-run `wide export`")
+    hf = is_hf_export(path)  # read as data into wide's own config class; its .py files never run
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config = hf_export_config(path) if hf else AutoConfig.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise _ckpt_error(f"cannot read {path / 'config.json'}: {e}") from None
+    if getattr(config, "wide_layer_heads", None) is not None:
+        raise ConfigError(f"{path} is a physically narrowed static-width hf export, which the runtime does not run",
+                          "run the `--format wide` export of the same run (`wide export --run-dir R`)")
     info = RoutingInfo.from_wide_config(wcfg)
+    tensors = read_safetensors(path)
+    check_config_matches(config, {k: tuple(v.shape) for k, v in tensors.items()}, config_file=path / "config.json",
+                         weights_file="model.safetensors", error=CheckpointError)
     routers = {}
     rpath = path / ROUTERS_FILE
-    if info.method != "dense" and (info.route_attention or info.route_ffn):
+    if hf:  # the routers sit with the backbone in one set of weight files
+        routers = {k: tensors.pop(k) for k in [k for k in tensors if ".router_attention." in k or ".router_ffn." in k]}
+    elif info.method != "dense" and (info.route_attention or info.route_ffn):
         if not rpath.is_file():
             raise _ckpt_error(f"{rpath} is missing", "re-run `wide export`")
         try:
@@ -603,4 +615,4 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
             extra_eos = json.loads(gen.read_text()).get("eos_token_id")
         except ValueError:
             extra_eos = None
-    return weights_from_tensors(config, read_safetensors(path), routers, info, allow_extra=allow_extra, extra_eos=extra_eos)
+    return weights_from_tensors(config, tensors, routers, info, allow_extra=allow_extra, extra_eos=extra_eos)
