@@ -85,17 +85,29 @@ class Sampler:
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
 
 
+def special_token_ids(tokenizer, strings: tuple[str, ...]) -> frozenset[int]:
+    """Ids of the tokenizer's special tokens whose text is one of ``strings``."""
+    if tokenizer is None or not strings:
+        return frozenset()
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special = {i for i, t in decoder.items() if getattr(t, "special", False)} | set(tokenizer.all_special_ids)
+    return frozenset(i for i in special if tokenizer.convert_ids_to_tokens(i) in strings)
+
+
 class TextTracker:
     """Incremental detokenization of one row, with stop strings.
 
     ``push(token_id)`` returns the new text that is safe to show: text that could still turn into
     a stop string, or an incomplete UTF-8 character, is held back. Once a stop string appears, the
-    text is cut just before it and ``stopped`` becomes True.
+    text is cut just before it and ``stopped`` becomes True. The shown text skips special tokens,
+    so a stop string that is a special token (``<|eot|>``) is matched on the token itself, as
+    transformers' ``stop_strings`` does.
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.stop_ids = special_token_ids(tokenizer, self.stop)
         self.ids: list[int] = []
         self.emitted = 0
         self.text = ""
@@ -107,6 +119,9 @@ class TextTracker:
     def push(self, token_id: int) -> str:
         if self.stopped:
             return ""
+        if int(token_id) in self.stop_ids:  # a special token is never in the shown text
+            self.stopped = True
+            return self._emit(self.text)
         self.ids.append(int(token_id))
         text = self._decode()
         if self.stop:

@@ -50,11 +50,8 @@ def generate_cmd(
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
     rt = Runtime.from_export(export, backend=backend, dtype=dtype, routing=not no_routing)
     prompts = list(prompt)
-    if chat:
-        prompts = [
-            rt.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-            for p in prompts
-        ]
+    if chat:  # token ids straight from the template: rendering to text and tokenizing again adds a second BOS
+        prompts = [chat_ids(rt.tokenizer, p) for p in prompts]
     stream = not json_out and len(prompts) == 1
 
     def on_text(row: int, delta: str) -> None:
@@ -86,3 +83,20 @@ def generate_cmd(
         highlight=False,
         soft_wrap=True,
     )
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as one user turn of the tokenizer's chat template, with the
+    generation prompt: exactly ``apply_chat_template(..., tokenize=True)``.
+
+    Raises:
+        ConfigError: the tokenizer has no chat template.
+    """
+    from wide_cli.errors import ConfigError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("--chat: the export's tokenizer has no chat template", "drop --chat and write the prompt as text")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
+    if hasattr(ids, "keys"):  # a BatchEncoding in some transformers versions
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
