@@ -76,6 +76,8 @@ class EvalPlan:
     eval_data: Path | None
     wikitext_dataset: str = "wikitext-2-raw-v1"
     split: str = "test"
+    #: ``token`` (pruning papers' token-level perplexity) and/or ``harness`` (lm-eval word-level)
+    wikitext_protocols: tuple[str, ...] = ("token", "harness")
 
     @property
     def zero_shot(self) -> tuple[str, ...]:
@@ -201,7 +203,8 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
             if t == "wikitext":
                 results[t] = evaluate_wikitext(model, tok, data_dir=plan.data_dir, dataset=plan.wikitext_dataset,
                                                split=plan.split, limit=plan.limit, seq_len=seq_len,
-                                               stride=plan.stride, batch_size=plan.batch_size, meter=sub)
+                                               stride=plan.stride, batch_size=plan.batch_size, meter=sub,
+                                               protocols=plan.wikitext_protocols)
             else:
                 results[t] = evaluate_task(model, tok, t, data_dir=plan.data_dir, limit=plan.limit,
                                            batch_size=plan.batch_size, meter=sub)
@@ -282,6 +285,7 @@ def evaluate_targets(
     out_dir: Path | None = None,
     stride: int | None = None,
     cache_dir: Path | None = None,
+    wikitext_protocols: tuple[str, ...] = ("token", "harness"),
     trust_remote_code: bool = False,
 ) -> dict:
     """Evaluate models side by side and build the comparison report.
@@ -302,6 +306,8 @@ def evaluate_targets(
         cache_dir: when set, a model's row is read from there if its weights, the data, these
             settings and the evaluation code are unchanged, and stored there otherwise
             (``wide_cli.eval.cache``).
+        wikitext_protocols: ``token`` and/or ``harness`` (``wide_cli.eval.wikitext.evaluate_wikitext``);
+            ``token`` alone halves WikiText's time.
         trust_remote_code: run the Python files of hf-format exports (never by default).
 
     Returns:
@@ -319,8 +325,11 @@ def evaluate_targets(
 
     if not targets:
         raise ConfigError("no target to evaluate", "pass one or more models or export directories")
+    import dataclasses
+
     plan = make_plan(tasks, data_dir=data_dir, limit=limit, seq_len=seq_len, stride=stride,
                      batch_size=batch_size, eval_data=eval_data)
+    plan = dataclasses.replace(plan, wikitext_protocols=tuple(wikitext_protocols))
     if device in (None, "auto"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     tdtype = resolve_dtype(dtype, device)

@@ -131,12 +131,14 @@ def calibrate(settings: Settings, run: RunDir, *, resume: bool = False, loaded=N
     record_run(run, settings.to_dict(), model_identity(loaded), resume=resume)
     packed = _packed(settings, loaded.tokenizer, run)
     stats_path = run.calibration / STATS_FILE
-    if not (resume and stats_path.is_file()):
+    # static-depth ranks whole layers by Block Influence in its train stage: no group statistics
+    needs_stats = settings.routing.method != "static-depth"
+    if needs_stats and not (resume and stats_path.is_file()):
         stats = collect_statistics(
             loaded.model, packed.train, batch_size=settings.train.batch_size, max_batches=max_batches
         )
         stats.save(stats_path)
-    else:
+    elif needs_stats:
         GroupStatistics.load(stats_path)  # validates it is readable
     res = CalibrationResult(
         len(packed.train), len(packed.heldout), int(packed.train.numel() + packed.heldout.numel()),

@@ -275,6 +275,23 @@ class Runtime:
         return cls(weights, backend, dtype=dtype, tokenizer=tok, routing=routing)
 
     @classmethod
+    def from_target(cls, target, *, backend: Backend | str = "cpu", dtype=None, routing: bool = True) -> Runtime:
+        """An export directory (``from_export``), or any model spec ``load_model`` accepts (alias
+        such as ``smollm2-135m``, local Hugging Face directory, ``.gguf``), run dense.
+
+        Raises:
+            CheckpointError: a broken export. ModelSourceError: an unknown or unsupported model.
+        """
+        from wide_cli.export import is_export
+
+        if is_export(target):
+            return cls.from_export(target, backend=backend, dtype=dtype, routing=routing)
+        from wide_cli.models.loader import load_model
+
+        lm = load_model(str(target), dtype=torch.float32)
+        return cls.from_model(lm.model, lm.tokenizer, backend=backend, dtype=dtype or torch.float32, routing=False)
+
+    @classmethod
     def from_model(cls, model, tokenizer=None, *, backend: Backend | str = "cpu", dtype=None,
                    routing: bool | None = None) -> Runtime:
         """Read an in-memory Hugging Face model (routed by ``attach_routers`` or plain).
