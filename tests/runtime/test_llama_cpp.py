@@ -69,6 +69,7 @@ def test_llama_cpp_greedy_tokens_match_transformers(gtype, routed_model, write_e
         want = plain.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
     llm = _LlamaCppSystem(path, threads=1, n_ctx=64)
     got = llm.greedy(prompt, 12)
+    llm.close()
     if gtype == "F16":
         assert got == want
     else:  # Q8_0 rounds weights (and activations) to 8 bits: the first tokens must agree

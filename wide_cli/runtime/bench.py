@@ -410,6 +410,10 @@ class _LlamaCppSystem:
             self.llm.eval([int(self._last_logits().argmax())])
         return time.perf_counter() - t
 
+    def close(self) -> None:
+        """Free the model now (llama-cpp-python's own finalizer fails at interpreter exit)."""
+        self.llm.close()
+
     def greedy(self, ids: list[int], steps: int) -> list[int]:
         """Greedy continuation of ``ids`` (``steps`` tokens), for equivalence tests."""
         self.llm.reset()
@@ -616,6 +620,9 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                         skips_work=skips, executed_mac_fraction=frac, ideal_speedup=ideal,
                         weight_bytes_per_step=wb / (dcost.speedup_bound(sp_short) if sp_short else 1.0),
                     ))  # fmt: skip
+            for key, sys_ in tsys.items():
+                if isinstance(sys_, _LlamaCppSystem):
+                    sys_.close()
     finally:
         if gguf_dir is not None:
             gguf_dir.cleanup()
