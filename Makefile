@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.wide-setup-stamp
 
-.PHONY: setup demo test lint bench gpu-check faults clean serve-setup test-serving
+.PHONY: setup demo test lint bench gpu-check faults clean serve-setup test-serving llama-setup
 
 # The serving environment: vLLM's CPU build pins transformers <5.20, so it cannot share .venv.
 SERVE_VENV ?= .venv-serve
@@ -59,8 +59,21 @@ test-serving: setup serve-setup
 lint: setup
 	$(VENV)/bin/ruff check wide_cli tests
 
-bench: setup
-	$(VENV)/bin/wide bench runs/demo/export --json-out docs/results/bench-cpu.json
+# llama.cpp for `wide bench` (the optional `llama` extra): llama-cpp-python compiles llama.cpp from
+# source, 34 min on the 2-core dev box under load (not installed by `setup`, nor by CI).
+LLAMA_STAMP := $(VENV)/.wide-llama-stamp
+llama-setup: $(LLAMA_STAMP)
+
+$(LLAMA_STAMP): $(STAMP)
+	$(PIP) install -q -e '.[llama]'
+	touch $(LLAMA_STAMP)
+
+# The issue-12 acceptance run: llama.cpp F16/Q8_0, HF and the runtime (dense, routed) in fp32, bf16
+# and int8, 1 and 2 threads, plus WikiText-2 perplexity per format.
+bench: setup llama-setup
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(VENV)/bin/wide bench runs/demo/export --systems hf,dense,cpu,llama.cpp \
+	  --weights fp32,bf16,int8 --prefill-lengths 1024 --decode-batches 1 --new-tokens 128 --decode-prompt-len 64 \
+	  --threads 1,2 --ppl-tokens 2048 --ppl-seq-len 512 --data-dir ../shared/data --json-out docs/results/bench-cpu.json
 
 gpu-check: setup
 	$(PY) -m wide_cli.runtime.gpu_check --out docs/results/gpu
