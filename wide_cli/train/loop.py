@@ -79,11 +79,14 @@ def save_checkpoint(stage_dir: Path, model, optimizer, scheduler, meta: dict, rn
         atomic_write_json(tmp / "state.json", meta)
 
 
-def load_checkpoint(stage_dir: Path, model, optimizer, scheduler, identity: dict) -> tuple[dict, dict]:
+def load_checkpoint(stage_dir: Path, model, optimizer, scheduler, identity: dict, *,
+                    world: int = 1) -> tuple[dict, dict]:
     """Restore a checkpoint written by ``save_checkpoint``; returns ``(meta, rng)``.
 
     Raises:
-        CheckpointError: unreadable files, or a checkpoint made for another model / settings.
+        CheckpointError: unreadable files, a checkpoint made for another model / settings, or by
+            another number of processes ``world`` (the global batch, and so the data and the
+            Gumbel noise of every later step, would differ from the interrupted run's).
     """
     from safetensors.torch import load_file
 
@@ -94,6 +97,16 @@ def load_checkpoint(stage_dir: Path, model, optimizer, scheduler, identity: dict
         blob = torch.load(ck / "optimizer.pt", weights_only=False)
     except Exception as e:  # any unreadable piece means the same to the user
         raise CheckpointError(f"cannot read checkpoint {ck}: {e}", "delete it to start over") from None
+    def procs(n):
+        return f"{n} process{'es' if n != 1 else ''}"
+
+    if int(meta.get("world", 1)) != world:
+        raise CheckpointError(
+            f"--resume: checkpoint in {stage_dir} was written by {procs(int(meta.get('world', 1)))}, "
+            f"this run has {procs(world)}",
+            f"resume with {procs(int(meta.get('world', 1)))} (--nproc / torchrun --nproc-per-node), "
+            "or drop --resume to start over",
+        )
     if meta.get("identity") != identity:
         diff = sorted(
             k for k in set(identity) | set(meta.get("identity", {}))
@@ -205,7 +218,7 @@ def train_stage(
     torch.manual_seed(cfg.seed + rank)
     start, elapsed, history, resumed_from = 0, 0.0, [], None
     if resume and (stage_dir / CHECKPOINT / "state.json").is_file():
-        meta, rng = load_checkpoint(stage_dir, model, optimizer, scheduler, identity)
+        meta, rng = load_checkpoint(stage_dir, model, optimizer, scheduler, identity, world=world)
         start, elapsed, history = meta["step"], meta["seconds"], meta.get("history", [])
         resumed_from = start
         gen.set_state(rng["gumbel"][rank] if isinstance(rng["gumbel"], list) else rng["gumbel"])
@@ -236,6 +249,7 @@ def train_stage(
         return {
             "step": step,
             "tokens": step * cfg.tokens_per_step * world,
+            "world": world,
             "seconds": elapsed,
             "history": history,
             "identity": identity,

@@ -108,7 +108,6 @@ def train_cmd(
     from wide_cli.cli.setup import quiet_libraries
     from wide_cli.errors import ConfigError
     from wide_cli.pipeline import stages
-    from wide_cli.pipeline.rundir import run_lock
 
     flags = {k: v for k, v in locals().items() if k in o.FLAG_FIELDS}
     if stage not in (1, 2):
@@ -117,13 +116,19 @@ def train_cmd(
         flags["lora"] = True
     run, settings = _settings_for_run(run_dir, recipe, flags)
     quiet_libraries()
-    with run_lock(run):
+    from wide_cli.train import distributed
+
+    info = distributed.init(settings.model.device)  # under torchrun: every rank trains, rank 0 writes
+    with distributed.rank0_lock(run):
         if stage == 1:
-            res = stages.train(settings, run, resume=resume)
+            res = stages.train(settings, run, resume=resume, progress=info.is_main)
         else:
             from wide_cli.train.lora import train_stage2
 
-            res = train_stage2(settings, run, resume=resume)
+            res = train_stage2(settings, run, resume=resume, progress=info.is_main)
+        distributed.barrier()
+    if not info.is_main:  # rank 0 reports
+        return
     render.log(f"trained stage {stage}: {res.steps} steps, {res.tokens} tokens, {res.seconds:.1f} s")
     if json_out:
         render.emit_json({"run_dir": str(run.root), "stage": stage, **res.to_dict()})
