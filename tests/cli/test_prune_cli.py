@@ -118,7 +118,7 @@ def test_b12_fp16_on_cpu_upcasts_once_and_bf16_runs(tmp_path, text_file):
 
 
 # ------------------------------------------------------------------ B25: every flag is used
-NOT_SETTINGS = {"model", "recipe", "run_dir", "out", "resume", "json_out", "nproc"}
+NOT_SETTINGS = {"model", "recipe", "run_dir", "out", "resume", "json_out", "nproc", "threads"}
 
 SAMPLE = {
     "data": "x.txt", "eval_data": "y.txt", "heldout_fraction": 0.2, "max_train_tokens": 999, "shuffle_documents": False,
@@ -178,7 +178,7 @@ def test_nproc_in_either_form_relaunches_under_torchrun_without_the_flag(form, m
 
     seen = {}
 
-    def fake_relaunch(nproc, argv):
+    def fake_relaunch(nproc, argv, threads=None):
         seen.update(nproc=nproc, argv=argv)
         return 0
 

@@ -17,6 +17,9 @@ NprocOpt = Annotated[int, typer.Option("--nproc", help="Data-parallel processes 
 TrustRemoteCodeOpt = Annotated[bool, typer.Option(
     "--trust-remote-code", help="Run the Python files an --format hf export ships (by default wide loads it into "
     "its own classes and refuses an export whose code differs from what this wide generates).")]
+ThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--threads", help="CPU threads per process (default: OMP_NUM_THREADS if set, else the cores not busy "
+    "with other processes per the load average, split among torchrun's local processes).")]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last checkpoint.")]
 
 # CLI option name (the Python parameter) -> (settings section, field).

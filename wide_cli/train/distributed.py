@@ -119,11 +119,15 @@ def without_option(argv: list[str], name: str) -> list[str]:
     return out
 
 
-def relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
+def relaunch_with_torchrun(nproc: int, argv: list[str], *, threads: int | None = None) -> int:
     """Re-execute ``wide <argv>`` under ``torch.distributed.run`` with ``nproc`` processes and
-    return its exit code (the ``--nproc`` shortcut)."""
+    return its exit code (the ``--nproc`` shortcut). ``threads``: CPU threads of each process,
+    set in ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` before the processes import torch."""
     import subprocess
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "wide_cli", *argv]
-    return subprocess.call(cmd)
+    env = dict(os.environ)
+    if threads is not None:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return subprocess.call(cmd, env=env)

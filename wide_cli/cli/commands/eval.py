@@ -56,6 +56,7 @@ def eval_cmd(
     cache_dir: Annotated[Path | None, typer.Option(
         "--cache-dir", help="Reuse each model's results from DIR when model, data, settings and code match; store new ones there.")] = None,
     trust_remote_code: o.TrustRemoteCodeOpt = False,
+    threads: o.ThreadsOpt = None,
     json_out: o.JsonOpt = False,
 ):
     """Evaluate models: WikiText-2 perplexity (token-level and lm-eval word-level), zero-shot
@@ -66,6 +67,9 @@ def eval_cmd(
     from wide_cli.eval.report import render_table
 
     quiet_libraries()
+    from wide_cli.cli.threads import apply_threads
+
+    apply_threads(threads)
     if run_dir is not None:
         return _eval_run(run_dir, json_out)
     if not targets:

@@ -34,7 +34,7 @@ def generate_cmd(
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the EOS token.")] = False,
     no_routing: Annotated[bool, typer.Option("--no-routing", help="Run every group (the runtime's dense mode).")] = False,
     dtype: Annotated[str | None, typer.Option("--dtype", help="fp32 | bf16 (default fp32).")] = None,
-    threads: Annotated[int | None, typer.Option("--threads", help="Torch CPU threads.")] = None,
+    threads: o.ThreadsOpt = None,
     json_out: o.JsonOpt = False,
 ):
     """Generate text from MODEL (an export, or a dense model spec) with the runtime, streaming
@@ -42,16 +42,15 @@ def generate_cmd(
     through each, continuations side by side."""
     import sys
 
-    import torch
-
     from wide_cli.cli import render
     from wide_cli.cli.setup import quiet_libraries
     from wide_cli.runtime.engine import Runtime
     from wide_cli.runtime.sampling import SamplingConfig
 
     quiet_libraries()
-    if threads is not None:
-        torch.set_num_threads(threads)
+    from wide_cli.cli.threads import apply_threads
+
+    apply_threads(threads)
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
     if len(models) > 1:
         return _side_by_side(models, list(prompt), max_new_tokens=max_new_tokens, backend=backend, sampling=sampling,

@@ -54,6 +54,7 @@ def calibrate_cmd(
     dtype: o.Dtype = None,
     device: o.Device = None,
     resume: o.ResumeOpt = False,
+    threads: o.ThreadsOpt = None,
     json_out: o.JsonOpt = False,
 ):
     """Stage 1/4: tokenise + pack the data (cached) and collect per-group activation statistics."""
@@ -62,8 +63,11 @@ def calibrate_cmd(
     from wide_cli.pipeline import stages
     from wide_cli.pipeline.rundir import RunDir, run_lock
 
+    from wide_cli.cli.threads import apply_threads
+
     flags = {k: v for k, v in locals().items() if k in o.FLAG_FIELDS}
     settings = stages.effective_settings(o.resolve_settings(model, recipe, flags))
+    apply_threads(threads)
     quiet_libraries()
     run = RunDir(run_dir)
     with run_lock(run):
@@ -101,6 +105,7 @@ def train_cmd(
     lora_alpha: o.LoraAlpha = None,
     freeze_routers: o.FreezeRouters = None,
     resume: o.ResumeOpt = False,
+    threads: o.ThreadsOpt = None,
     json_out: o.JsonOpt = False,
 ):
     """Stage 2/4: train the routers (stage 1) or LoRA + routers (stage 2) on a calibrated run."""
@@ -116,8 +121,10 @@ def train_cmd(
         flags["lora"] = True
     run, settings = _settings_for_run(run_dir, recipe, flags)
     quiet_libraries()
+    from wide_cli.cli.threads import apply_threads
     from wide_cli.train import distributed
 
+    apply_threads(threads)
     info = distributed.init(settings.model.device)  # under torchrun: every rank trains, rank 0 writes
     with distributed.rank0_lock(run):
         if stage == 1:
@@ -142,6 +149,7 @@ def export_cmd(
         "hf (loads in plain transformers with trust_remote_code; static width physically smaller).")] = "wide",
     lora: Annotated[bool | None, typer.Option(
         "--lora/--no-lora", help="Merge the run's stage-2 LoRA (default: when `wide train --stage 2` ran).")] = None,
+    threads: o.ThreadsOpt = None,
     json_out: o.JsonOpt = False,
 ):
     """Stage 3/4: write the deployable export (weights, routers, wide_config, model card, manifest)."""
@@ -160,6 +168,9 @@ def export_cmd(
         raise ConfigError(f"--lora: {run.stage2} holds no trained adapter",
                           f"run `wide train --run-dir {run.root} --stage 2` first, or drop --lora")
     quiet_libraries()
+    from wide_cli.cli.threads import apply_threads
+
+    apply_threads(threads)
     dest = out or run.default_export
     with run_lock(run):
         res = stages.export(settings, run, dest, export_format=export_format)
