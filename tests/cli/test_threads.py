@@ -10,7 +10,8 @@ import torch
 
 from wide_cli.cli import threads as th
 from wide_cli.cli.app import main
-from wide_cli.cli.commands import eval as eval_mod, generate, prune, stages
+from wide_cli.cli.commands import eval as eval_mod
+from wide_cli.cli.commands import generate, prune, stages
 
 
 @pytest.fixture
@@ -79,13 +80,7 @@ def test_nproc_relaunch_gives_each_process_its_share_of_threads(machine, monkeyp
 
 @pytest.fixture
 def tiny_export_dir(tmp_path):
-    from wide_cli.export import export_model
-    from wide_cli.models.tiny import char_tokenizer, tiny_model
-    from wide_cli.routing import RoutingConfig, attach_routers
+    from tests._exports import tiny_export
 
-    model = tiny_model("llama")
-    cfg = RoutingConfig(attn_group_size=2, ffn_group_size=32)
-    attach_routers(model, cfg)
-    wc = {"method": "wide", "routing": cfg.to_dict(), "measured_sparsity": {}, "source_model": {"spec": "tiny-llama"}}
-    export_model(model, char_tokenizer(), tmp_path / "exp", wide_config=wc)
+    tiny_export(tmp_path / "exp")
     return tmp_path / "exp"
