@@ -27,7 +27,7 @@ def inspect_cmd(
 ):
     """Inspect an export: sizes, settings, sparsity per layer and module, per-token routing."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.errors import ConfigError, DataError
     from wide_cli.inspection import inspect_export
     from wide_cli.inspection.render import render as render_report

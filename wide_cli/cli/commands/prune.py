@@ -68,7 +68,7 @@ def prune_cmd(
             raise typer.Exit(relaunch_with_torchrun(nproc, argv[:i] + argv[i + 2 :]))
 
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.pipeline.prune import prune
 
     quiet_libraries()
