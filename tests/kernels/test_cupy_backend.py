@@ -14,7 +14,8 @@ from wide_cli.errors import ConfigError, WideError
 def test_modules_import_without_cupy_or_gpu():
     """Importing the backend and the kernel wrappers pulls in neither CuPy nor CUDA."""
     code = (
-        "import sys, wide_cli.runtime.cupy_backend, wide_cli.runtime.cupy_ops, wide_cli.kernels;"
+        "import sys, wide_cli.runtime.cupy_backend, wide_cli.runtime.cupy_ops;"
+        "import wide_cli.runtime.cuda.sources, wide_cli.runtime.cuda.nvrtc;"
         "print('cupy' in sys.modules, 'cupy_backends' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -1,7 +1,7 @@
 """The routed operators on NVIDIA GPUs: CuPy-launched CUDA kernels (DESIGN.md §3).
 
 Every public operator has the exact signature and semantics of its reference in
-``runtime/ops.py``; the kernels live in ``wide_cli/kernels``.
+``runtime/ops.py``; the kernels' sources live in the top-level ``kernels/``.
 
 - **Build**: each kernel is compiled once per (source, dtype, tile config, arch) with
   ``cupy.RawModule(backend="nvrtc")`` and kept in a process cache (CuPy also caches the cubin on
@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from wide_cli import kernels as K
 from wide_cli.runtime import ops
+from wide_cli.runtime.cuda import sources
 
 log = logging.getLogger("wide.cupy")
 
@@ -214,8 +214,8 @@ def get_kernel(source: str, func: str, dtype: str, defines: dict[str, int], devi
             kern = _KERNELS.get(key)
             if kern is None:
                 mod = cupy.RawModule(
-                    code=K.load_source(source),
-                    options=K.compile_options(dtype, arch, defines),
+                    code=sources.load_source(source),
+                    options=sources.compile_options(dtype, arch, defines),
                     backend="nvrtc",
                 )
                 with cupy.cuda.Device(device.index):

@@ -172,13 +172,13 @@ def _versions() -> dict:
 
 
 def _compile_offline(label: str, source: str, defines: dict, dtype: str, arch: str) -> dict:
-    from wide_cli import kernels as K
+    from wide_cli.runtime.cuda import nvrtc, sources
 
     t0 = time.time()
-    opts = K.compile_options(dtype, arch, defines) + ("--ptxas-options=-v",)
-    res = K.nvrtc_compile(K.load_source(source), opts, source)
+    opts = sources.compile_options(dtype, arch, defines) + ("--ptxas-options=-v",)
+    res = nvrtc.nvrtc_compile(sources.load_source(source), opts, source)
     info = {"build": label, "dtype": dtype, "arch": arch, "ok": res.ok, "seconds": round(time.time() - t0, 2)}
-    info["problems"] = K.log_problems(res.log)[:10]
+    info["problems"] = nvrtc.log_problems(res.log)[:10]
     regs = [int(x) for x in _findall(r"Used (\d+) registers", res.log)]
     spills = [int(x) for x in _findall(r"(\d+) bytes spill stores", res.log)]
     info["registers"], info["spill_store_bytes"] = regs, spills
@@ -208,8 +208,8 @@ def _compile_on_device(source: str, funcs: tuple, defines: dict, dtype: str) -> 
 
 
 def section_compile(report: Report, budget: float, dry_run: bool, arch: str, workers: int) -> None:
-    from wide_cli import kernels as K
     from wide_cli.runtime import cupy_ops
+    from wide_cli.runtime.cuda import sources
 
     t_end = time.time() + budget
     jobs = [(b, dt) for dt in ("bf16", "fp16") for b in cupy_ops.kernel_builds()]
@@ -225,7 +225,7 @@ def section_compile(report: Report, budget: float, dry_run: bool, arch: str, wor
         if dry_run:
             fut = pool.submit(_compile_offline, b.label, b.source, dict(b.defines), dt, arch)
         else:
-            fut = pool.submit(_compile_on_device, b.source, K.SOURCES[b.source], dict(b.defines), dt)
+            fut = pool.submit(_compile_on_device, b.source, sources.SOURCES[b.source], dict(b.defines), dt)
         futs[fut] = (b, dt)
     try:
         for fut in as_completed(futs, timeout=max(1.0, t_end - time.time())):

@@ -1,6 +1,6 @@
 """Mask reordering and tile schedules of the CuPy kernels, in pure PyTorch (DESIGN.md §3).
 
-These functions state, on any device, exactly what the CUDA kernels in ``wide_cli/kernels``
+These functions state, on any device, exactly what the CUDA kernels in ``kernels/``
 do, so the schedule logic can be unit-tested on a CPU and the kernels' own reorder output
 checked against it on a GPU:
 
