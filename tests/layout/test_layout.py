@@ -84,3 +84,16 @@ def test_graph_reader_sees_real_edges():
     assert eager["wide_cli.errors"] <= lazy["wide_cli.errors"]
     assert sum(map(len, lazy.values())) > sum(map(len, eager.values()))  # function-local imports counted
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset("abc")]
+
+
+def test_readme_layout_matches_the_tree():
+    """Every path in the README's layout block exists, and every subpackage of wide_cli is listed."""
+    root = PACKAGE_ROOT.parent
+    text = (root / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    listed = [line.split()[0] for line in block.splitlines() if line.strip()]
+    missing = [p for p in listed if not (root / p).exists()]
+    assert not missing, f"README layout names paths that do not exist: {missing}"
+    packages = {f"wide_cli/{p.name}/" for p in PACKAGE_ROOT.iterdir() if (p / "__init__.py").is_file()}
+    unlisted = sorted(packages - set(listed))
+    assert not unlisted, f"README layout does not list {unlisted}"
