@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from typer.testing import CliRunner
 
 from wide_cli.cli.app import app
@@ -101,12 +100,21 @@ def test_bench_quick_real_run(tiny_export, tmp_path):
     assert "wide bench" in r.stderr
 
 
-def test_ideal_bound_matches_design_for_smollm2_shapes():
-    """DESIGN.md §3: about 1.59x for SmolLM2-135M at s = 0.5 (routed Q/O/Gate/Up/Down only)."""
-    from wide_cli.runtime.bench import ideal_speedup
+def test_bench_weight_bytes_come_from_the_cost_model():
+    """The bench's per-token weight bytes and bound are the cost model's (wide_cli.cost)."""
+    from wide_cli.cost import cost_model
+    from wide_cli.models.arch import model_shape
+    from wide_cli.models.tiny import tiny_model
+    from wide_cli.routing import RoutingConfig, attach_routers
+    from wide_cli.runtime.backend import weights_from_model
+    from wide_cli.runtime.bench import decode_cost, weight_bytes
 
-    L, D, F, kv, V = 30, 576, 1536, 192, 49152
-    wb = {"attention_routed": L * 2 * D * D, "ffn_routed": L * 3 * D * F, "dense": L * (2 * D * kv + 2 * D) + V * D + D}
-    assert ideal_speedup(wb, {"attention": 0.5, "ffn": 0.5}) == pytest.approx(1.59, abs=0.01)
-    assert ideal_speedup(wb, {"attention": 0.0, "ffn": 0.0}) == 1.0
-    assert ideal_speedup(wb, {"attention": None, "ffn": 0.5}) < ideal_speedup(wb, {"attention": 0.5, "ffn": 0.5})
+    model = tiny_model("llama")
+    attach_routers(model, RoutingConfig(attn_group_size=2, ffn_group_size=32))
+    weights, _ = weights_from_model(model)
+    wb = weight_bytes(weights, 2)
+    direct = sum(p.numel() for n, p in model.named_parameters() if "router" not in n and "embed" not in n)
+    assert sum(wb.values()) == 2 * (direct + model.config.hidden_size)  # + one embedding row
+    cm = cost_model(model_shape(model.config), metric="decode_bytes")
+    assert decode_cost(weights) == cm
+    assert decode_cost(weights).speedup_bound({"attention": 0.5, "ffn": 0.5}) > 1.0

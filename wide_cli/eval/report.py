@@ -39,7 +39,7 @@ report.json schema (``schema_version`` 1)::
         "sparsity": measured over every evaluated token {attention, ffn, total,
                     per_layer: {attention: [..], ffn: [..]}, tokens_measured} or null (dense),
         "flops": {relative, dense_flops_per_token, routed_flops_per_token, router_flops_per_token,
-                  context_len},                         # see wide_cli.eval.flops
+                  context_len},                         # see wide_cli.cost
         "decode_speedup_bound": ideal decode speed-up at the measured sparsity,
         "plot": PNG file name (pruned rows, when written) or null,
         "warnings": [str]
@@ -175,7 +175,7 @@ def notes(report: dict) -> list[str]:
     if report.get("reference"):
         lines.append(f"% of dense: avg* relative to {report['reference']}.")
     lines.append("sparsity: measured skip fraction over every evaluated token (padding excluded); "
-                 "FLOPs vs dense and the ideal decode bound follow wide_cli.eval.flops.")
+                 "FLOPs vs dense and the ideal decode bound follow wide_cli.cost.")
     for w in report.get("warnings", []):
         lines.append(f"WARNING: {w}")
     return lines

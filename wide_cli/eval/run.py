@@ -181,7 +181,7 @@ def eval_text_file(model, tokenizer, path: Path, *, seq_len: int, stride: int | 
 def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     """Run every task of ``plan`` on one loaded target; returns its report row (no reference
     columns yet; ``build_report`` adds them)."""
-    from wide_cli.eval.flops import decode_speedup_bound, routed_flops
+    from wide_cli.cost import decode_speedup_bound, flops_report
     from wide_cli.eval.scoring import SparsityMeter
     from wide_cli.eval.wikitext import evaluate_wikitext
     from wide_cli.eval.zeroshot import evaluate_task
@@ -223,9 +223,7 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     if state is not None and state.cfg.method in ("wide", "dynamic-depth"):
         router = {"router_rank": state.cfg.router_rank, "attn_groups": state.layout.attn_groups,
                       "ffn_groups": state.layout.ffn_groups}
-    flops = routed_flops(shape, sparsity, seq_len=seq_len, **router)
-    s_a = (sparsity or {}).get("attention") or 0.0
-    s_f = (sparsity or {}).get("ffn") or 0.0
+    flops = flops_report(shape, sparsity, seq_len=seq_len, **router)
     return {
         "name": target.name,
         "kind": target.kind,
@@ -238,7 +236,7 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
         "sparsity": sparsity,
         "flops": {k: flops[k] for k in ("relative", "dense_flops_per_token", "routed_flops_per_token",
                                         "router_flops_per_token", "context_len")},
-        "decode_speedup_bound": decode_speedup_bound(shape, s_attention=s_a, s_ffn=s_f)["bound"],
+        "decode_speedup_bound": decode_speedup_bound(shape, sparsity),
         "warnings": [],
     }
 

@@ -168,29 +168,21 @@ class BenchReport:
         }
 
 
+def decode_cost(weights: ModelWeights):
+    """The ``decode_bytes`` cost model (``wide_cli.cost``) of a model held as runtime weights."""
+    from wide_cli.cost import cost_model, shape_of_layers
+
+    shape = shape_of_layers(weights.layers, weights.embed.shape[0], weights.embed.shape[1])
+    return cost_model(shape, metric="decode_bytes")
+
+
 def weight_bytes(weights: ModelWeights, itemsize: int) -> dict:
-    """Weight bytes read per token, split by what routing can skip (for the ideal bound).
-
-    Returns ``{attention_routed, ffn_routed, dense}``: Q+O bytes, Gate+Up+Down bytes, and the
-    rest (K/V, norms, LM head; the embedding row gather is negligible and not counted).
-    """
-    att = ffn = dense = 0
-    for lw in weights.layers:
-        att += lw.wq.numel() + lw.wo.numel()
-        ffn += lw.w_gate.numel() + lw.w_up.numel() + lw.w_down.numel()
-        dense += lw.wk.numel() + lw.wv.numel() + lw.ln_attn.numel() + lw.ln_ffn.numel()
-    dense += weights.lm_head.numel() + weights.final_norm.numel()
-    return {"attention_routed": att * itemsize, "ffn_routed": ffn * itemsize, "dense": dense * itemsize}
-
-
-def ideal_speedup(wbytes: dict, sparsity: dict) -> float:
-    """Upper bound of the speedup over dense at the measured sparsity: routed operators scale
-    with ``1 - s`` of their module, everything else stays dense (DESIGN.md §3)."""
-    sa = sparsity.get("attention") or 0.0
-    sf = sparsity.get("ffn") or 0.0
-    full = wbytes["attention_routed"] + wbytes["ffn_routed"] + wbytes["dense"]
-    routed = wbytes["attention_routed"] * (1 - sa) + wbytes["ffn_routed"] * (1 - sf) + wbytes["dense"]
-    return full / routed if routed > 0 else float("inf")
+    """Dense weight bytes read per decode token, split by what routing can skip
+    (``wide_cli.cost``, ``decode_bytes``): ``{attention_routed, ffn_routed, dense}``."""
+    cm = decode_cost(weights)
+    L = cm.num_layers
+    return {"attention_routed": L * cm.module_cost("attention") * itemsize,
+            "ffn_routed": L * cm.module_cost("ffn") * itemsize, "dense": cm.floor * itemsize}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,6 +339,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
             systems[s] = _RuntimeSystem(runtime_for(s), True, cfg.forced_sparsity, cfg.seed)
     wbytes = weight_bytes(weights, torch.finfo(dtype).bits // 8)
     dense_bytes = sum(wbytes.values())
+    dcost = decode_cost(weights)
 
     stream = text_token_stream(tokenizer, max((*cfg.prefill_lengths, cfg.decode_prompt_len)) * 4)
     shapes = [("prefill", 1, L) for L in cfg.prefill_lengths] + [
@@ -370,7 +363,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
         for name in systems:
             sp = sparsity.get(name)
             sp_short = None if sp is None else {k: sp[k] for k in ("attention", "ffn", "total")}
-            ideal = ideal_speedup(wbytes, sp_short) if sp_short else 1.0
+            ideal = dcost.speedup_bound(sp_short) if sp_short else 1.0
             ntok = B * L if phase == "prefill" else B * cfg.new_tokens
             entry = BenchEntry(
                 system=name, phase=phase, batch=B, prompt_len=L,

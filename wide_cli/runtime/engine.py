@@ -293,6 +293,16 @@ class Runtime:
         weights = weights_from_tensors(config, tensors, routers or {}, wide_config, allow_extra=allow_extra)
         return cls(weights, backend, dtype=dtype, tokenizer=tokenizer, routing=routing)
 
+    def shape(self):
+        """The ``ModelShape`` of the loaded model (for ``wide_cli.cost``), read from layer 0."""
+        from wide_cli.models.arch import ModelShape
+
+        m = self.meta[0]
+        return ModelShape(num_layers=len(self.meta), hidden_size=self.embed.shape[1], num_heads=m.num_heads,
+                          num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                          intermediate_size=m.ffn_groups * m.ffn_group_size, vocab_size=self.vocab_size,
+                          model_type="llama")
+
     def _meta(self, lw: LayerWeights) -> _LayerMeta:
         dev = self.device
 

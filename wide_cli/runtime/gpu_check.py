@@ -724,15 +724,9 @@ def section_e2e(report: Report, export: str, budget: float) -> None:
         runs[label] = _e2e_system(rt, routing, forced, prompt_len=1024, batch=8, steps=32)
         if routing:
             runs[label]["measured_sparsity"] = rt.stats.summary()
-            try:
-                from wide_cli.runtime.engine import ideal_speedup
+            from wide_cli.cost import decode_speedup_bound
 
-                sp = runs[label]["measured_sparsity"]
-                runs[label]["ideal_decode_speedup"] = ideal_speedup(
-                    rt.weight_bytes, {k: sp.get(k) for k in ("attention", "ffn", "total")}
-                )
-            except Exception as e:  # noqa: BLE001 - the bound is informational
-                runs[label]["ideal_error"] = f"{type(e).__name__}: {e}"
+            runs[label]["ideal_decode_speedup"] = decode_speedup_bound(rt.shape(), runs[label]["measured_sparsity"])
     sec["runs"] = runs
     dense = runs.get("dense", {})
     for label in ("routed", "forced_s0.5"):
