@@ -22,6 +22,8 @@ import pytest
 import torch
 
 from wide_cli.runtime import cupy_ops, ops, schedule
+from wide_cli.runtime.cuda.launch import cuda_status
+from wide_cli.runtime.cuda.registry import REGISTRY
 
 pytestmark = pytest.mark.gpu
 
@@ -34,7 +36,7 @@ B08_BT = [(1, 1), (1, 7), (3, 1), (2, 5), (1, 129)]
 
 @pytest.fixture(autouse=True)
 def _kernels(monkeypatch):
-    why = cupy_ops.cuda_status()
+    why = cuda_status()
     if why is not None:
         pytest.skip(why)
     monkeypatch.setenv("WIDE_CUPY_VERIFY", "0")
@@ -44,9 +46,9 @@ def _kernels(monkeypatch):
 @contextlib.contextmanager
 def kernels_only():
     """Fail if anything inside was routed to the PyTorch reference instead of a kernel."""
-    before = dict(cupy_ops.fallback_counts())
+    before = dict(REGISTRY.fallback_counts())
     yield
-    new = {k: v for k, v in cupy_ops.fallback_counts().items() if v != before.get(k)}
+    new = {k: v for k, v in REGISTRY.fallback_counts().items() if v != before.get(k)}
     assert not new, f"routed to the reference instead of a kernel: {new}"
 
 
@@ -244,24 +246,24 @@ def test_auto_dispatch_picks_cublas_for_dense_masks(monkeypatch):
     a, w = rand(M, K, dtype=torch.bfloat16, seed=50), rand(N, K, dtype=torch.bfloat16, seed=51)
     for p, path in ((0.9, "cuBLAS on the masked input"), (0.2, "kernel")):
         mask = rmask(M, N // g, p=p, seed=52)
-        before = cupy_ops.dispatch_counts().get(f"gemm_mn: {path}", 0)
+        before = REGISTRY.dispatch_counts().get(f"gemm_mn: {path}", 0)
         out = cupy_ops.gemm_mn(a, w, mask, g)
-        assert cupy_ops.dispatch_counts()[f"gemm_mn: {path}"] == before + 1
+        assert REGISTRY.dispatch_counts()[f"gemm_mn: {path}"] == before + 1
         assert rel(out, ops.gemm_mn(a.float(), w.float(), mask, g)) <= TOL[torch.bfloat16]
         assert (out[~ops.expand_mask(mask, g)] == 0).all()
     mk = rmask(M, K // g, p=0.5, seed=53)  # random: every 16-row fragment is live -> cuBLAS
     a_nan = torch.where(ops.expand_mask(mk, g), a, torch.full((), float("nan"), dtype=a.dtype, device=DEV))
     out = cupy_ops.gemm_k(a_nan, w[:, :K], mk, g)
-    assert cupy_ops.dispatch_counts()["gemm_k: cuBLAS on the masked input"] >= 1
+    assert REGISTRY.dispatch_counts()["gemm_k: cuBLAS on the masked input"] >= 1
     assert rel(out, ops.gemm_k(a.float(), w[:, :K].float(), mk, g)) <= TOL[torch.bfloat16]
 
 
 def test_unsupported_shapes_fall_back_to_the_reference():
     a, w = rand(20, 64, dtype=torch.float16), rand(48, 64, dtype=torch.float16)
     mask = rmask(20, 6)  # group size 8: no tensor-core tile for it
-    before = sum(cupy_ops.fallback_counts().values())
+    before = sum(REGISTRY.fallback_counts().values())
     out = cupy_ops.gemm_mn(a, w, mask, 8)
-    assert sum(cupy_ops.fallback_counts().values()) == before + 1
+    assert sum(REGISTRY.fallback_counts().values()) == before + 1
     assert torch.equal(out, ops.gemm_mn(a, w, mask, 8))
     a32, w32 = a.float(), w.float()  # fp32 has no kernel
     assert torch.equal(cupy_ops.gemm_mn(a32, w32, mask, 8), ops.gemm_mn(a32, w32, mask, 8))

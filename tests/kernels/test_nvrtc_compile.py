@@ -13,8 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from wide_cli.runtime import cupy_ops
-from wide_cli.runtime.cuda import nvrtc, sources
+from wide_cli.runtime.cuda import builds, nvrtc, sources
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +29,7 @@ def _compile(source: str, dtype: str, arch: str, defines: tuple = ()) -> nvrtc.C
     return nvrtc.nvrtc_compile(sources.load_source(source), opts, source)
 
 
-_BUILDS = cupy_ops.kernel_builds()
+_BUILDS = builds.kernel_builds()
 # Compiled up front, in parallel (NVRTC is single-threaded): every source x dtype x arch with its
 # default defines, and every dispatch build for sm_90 / bf16.
 _DEFAULT_JOBS = [

@@ -195,24 +195,24 @@ def _compile_on_device(source: str, funcs: tuple, defines: dict, dtype: str) -> 
     """Worker process: build through CuPy (fills its disk cache) and read the kernel attributes."""
     import torch
 
-    from wide_cli.runtime import cupy_ops
+    from wide_cli.runtime.cuda.launch import get_kernel
 
     dev = torch.device("cuda", 0)
     t0 = time.time()
     out = {"source": source, "defines": defines, "dtype": dtype, "kernels": {}}
     for f in funcs:
-        k = cupy_ops.get_kernel(source, f, dtype, defines, dev)
+        k = get_kernel(source, f, dtype, defines, dev)
         out["kernels"][f] = {"registers": k.num_regs, "local_bytes": k.local_size_bytes}
     out["seconds"] = round(time.time() - t0, 2)
     return out
 
 
 def section_compile(report: Report, budget: float, dry_run: bool, arch: str, workers: int) -> None:
-    from wide_cli.runtime import cupy_ops
     from wide_cli.runtime.cuda import sources
+    from wide_cli.runtime.cuda.builds import kernel_builds
 
     t_end = time.time() + budget
-    jobs = [(b, dt) for dt in ("bf16", "fp16") for b in cupy_ops.kernel_builds()]
+    jobs = [(b, dt) for dt in ("bf16", "fp16") for b in kernel_builds()]
     results, errors = [], []
     ctx = None
     if not dry_run:
@@ -536,18 +536,19 @@ def _sticky(err: BaseException) -> bool:
 
 
 def _fallbacks_since(before: dict) -> dict:
-    from wide_cli.runtime import cupy_ops
+    from wide_cli.runtime.cuda.registry import REGISTRY
 
-    return {k: v - before.get(k, 0) for k, v in cupy_ops.fallback_counts().items() if v != before.get(k, 0)}
+    counts = REGISTRY.fallback_counts()
+    return {k: v - before.get(k, 0) for k, v in counts.items() if v != before.get(k, 0)}
 
 
 def run_case(case: Case, weights: dict, mode: str) -> dict:
     import torch
 
-    from wide_cli.runtime import cupy_ops
+    from wide_cli.runtime.cuda.registry import REGISTRY
 
     rec = asdict(case)
-    before = dict(cupy_ops.fallback_counts())
+    before = REGISTRY.fallback_counts()
     t0 = time.time()
     wl = Workload(case, weights)
     rec["ideal_speedup"] = wl.ideal
@@ -701,14 +702,14 @@ def section_e2e(report: Report, export: str, budget: float) -> None:
     """Routed vs dense (same cupy backend, routing off) on an export; logits vs the reference."""
     import torch
 
-    from wide_cli.runtime import cupy_ops
+    from wide_cli.runtime.cuda.registry import REGISTRY
     from wide_cli.runtime.engine import Runtime
 
     sec = report.data["sections"]["e2e"] = {
         "export": export,
         "timing": "torch.cuda.synchronize around each run",
     }
-    before = dict(cupy_ops.fallback_counts())
+    before = REGISTRY.fallback_counts()
     t_end = time.time() + budget
     rt = Runtime.from_export(export, backend="cupy", dtype="bf16")
     runs = {}
@@ -824,9 +825,10 @@ def _main(argv: list[str] | None, done: threading.Event) -> int:
 
     import torch
 
-    from wide_cli.runtime import cupy_ops
+    from wide_cli.runtime.cuda.launch import cuda_status, device_arch
+    from wide_cli.runtime.cuda.registry import REGISTRY
 
-    why = cupy_ops.cuda_status()
+    why = cuda_status()
     if why is not None:
         report.data["error"] = f"cannot run on this machine: {why} (use --dry-run for the CPU-side checks)"
         report.write()
@@ -835,14 +837,14 @@ def _main(argv: list[str] | None, done: threading.Event) -> int:
     dev = torch.device("cuda", 0)
     props = torch.cuda.get_device_properties(dev)
     report.data["device"] = {
-        "name": props.name, "capability": f"{props.major}.{props.minor}", "arch": cupy_ops.device_arch(dev),
+        "name": props.name, "capability": f"{props.major}.{props.minor}", "arch": device_arch(dev),
         "sms": props.multi_processor_count, "memory_gb": round(props.total_memory / 2**30, 1),
         "l2_mb": round(getattr(props, "L2_cache_size", 0) / 2**20, 1),
     }  # fmt: skip
     report.write()
     state: dict = {}
     if "compile" in wanted:
-        section_compile(report, budget["compile"], False, cupy_ops.device_arch(dev), args.workers)
+        section_compile(report, budget["compile"], False, device_arch(dev), args.workers)
         report.write()
     for name in ("check", "bench"):
         if name in wanted:
@@ -857,8 +859,8 @@ def _main(argv: list[str] | None, done: threading.Event) -> int:
                 "error": f"{type(e).__name__}: {e}",
                 "trace": traceback.format_exc(limit=5),
             }
-    report.data["broken_builds"] = cupy_ops.broken_builds()
-    report.data["fallbacks_total"] = cupy_ops.fallback_counts()
+    report.data["broken_builds"] = REGISTRY.broken_builds()
+    report.data["fallbacks_total"] = REGISTRY.fallback_counts()
     report.data["sticky_cuda_error"] = state.get("sticky")
     report.data["seconds"] = round(time.time() - t_start, 1)
     report.write()
