@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from wide_cli.runtime import gpu_check, ops
+from wide_cli.gpu_check import main as gpu_check
+from wide_cli.runtime import ops
 
 
 def test_case_lists_cover_the_brief():

@@ -1,7 +1,7 @@
 """``make gpu-check``: check and time every CuPy kernel on one GPU, write one JSON.
 
-    python -m wide_cli.runtime.gpu_check --out docs/results/gpu [--export DIR] [--budget-s 420]
-    python -m wide_cli.runtime.gpu_check --out /tmp/x --dry-run      # no GPU: cases + NVRTC only
+    python -m wide_cli.gpu_check --out docs/results/gpu [--export DIR] [--budget-s 420]
+    python -m wide_cli.gpu_check --out /tmp/x --dry-run      # no GPU: cases + NVRTC only
 
 Sections, each with its own time budget (cases past it are recorded as skipped, never run):
 1. ``compile``: every kernel build the dispatcher may pick, compiled in parallel worker processes
@@ -774,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None, done: threading.Event) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m wide_cli.runtime.gpu_check", description=__doc__.split("\n")[0]
+        prog="python -m wide_cli.gpu_check", description=__doc__.split("\n")[0]
     )
     p.add_argument("--out", required=True, help="folder for gpu_check.json")
     p.add_argument("--export", default=None, help="exported checkpoint for the end-to-end bench (optional)")
@@ -890,6 +890,3 @@ def _print_summary(report: Report) -> None:
         print(f"{r['op']:12s} {r['model']:13s} {r['m']:5d} {r['sparsity']:5.2f} {(r['kernel_graph_ms'] or r['kernel_ms']):8.4f} "
               f"{(r['dense_graph_ms'] or r['dense_ms']):8.4f} {r['speedup_vs_dense']:7.2f} {r['ideal_speedup']:6.2f}")  # fmt: skip
 
-
-if __name__ == "__main__":
-    sys.exit(main())
