@@ -21,7 +21,8 @@ import warnings
 import pytest
 import torch
 
-from wide_cli.runtime import cupy_ops, ops, schedule
+from wide_cli.runtime import cupy_ops, ops
+from wide_cli.runtime.cuda import schedule
 from wide_cli.runtime.cuda.launch import cuda_status
 from wide_cli.runtime.cuda.registry import REGISTRY
 

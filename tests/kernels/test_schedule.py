@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from wide_cli.runtime import ops, schedule
-from wide_cli.runtime.cuda import builds
+from wide_cli.runtime import ops
+from wide_cli.runtime.cuda import builds, schedule
 
 # (M, G, p_execute): decode, odd prefill, all-skip, all-execute, one group, more groups than tokens
 CASES = [(1, 4, 0.5), (7, 3, 0.5), (129, 5, 0.3), (64, 8, 0.0), (33, 6, 1.0), (50, 1, 0.5), (3, 40, 0.5)]
