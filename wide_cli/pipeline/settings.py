@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import tomllib
 
 from wide_cli.errors import ConfigError
 from wide_cli.routing.config import RoutingConfig
@@ -125,7 +124,7 @@ class Settings:
         d["stage2"]["target_modules"] = list(self.stage2.target_modules)
         return d
 
-    def replace(self, section: str, **changes) -> Settings:
+    def replace(self, section: str, **changes) -> "Settings":
         return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **changes)})
 
 

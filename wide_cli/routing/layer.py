@@ -8,7 +8,7 @@ adds stay dense. Submodules are called through their attributes, so PEFT-wrapped
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Callable
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

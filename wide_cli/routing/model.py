@@ -35,6 +35,7 @@ def _capture_valid(state: RoutingState):
             state.valid = None
         else:
             state.valid = am[:, -T:].bool()
+        return None
 
     return hook
 

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -139,10 +139,11 @@ def export_cmd(
     """Stage 3/4: write the deployable export (weights, routers, wide_config, model card, manifest)."""
     from wide_cli.cli import render
     from wide_cli.cli.logging_setup import quiet_libraries
-    from wide_cli.errors import ConfigError
-    from wide_cli.export.writer import EXPORT_FORMATS
     from wide_cli.pipeline import stages
     from wide_cli.pipeline.rundir import run_lock
+
+    from wide_cli.errors import ConfigError
+    from wide_cli.export.writer import EXPORT_FORMATS
 
     if export_format not in EXPORT_FORMATS:
         raise ConfigError(f"--format {export_format!r} unknown", f"choose one of {', '.join(EXPORT_FORMATS)}")
