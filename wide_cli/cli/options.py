@@ -33,6 +33,8 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "router_rank": ("routing", "router_rank"),
     "tau_start": ("routing", "tau_start"),
     "tau_end": ("routing", "tau_end"),
+    "cost_target": ("routing", "cost_target"),
+    "cost_metric": ("routing", "cost_metric"),
     "steps": ("train", "steps"),
     "seq_len": ("train", "seq_len"),
     "batch_size": ("train", "batch_size"),
@@ -63,7 +65,9 @@ EvalData = Annotated[Optional[str], typer.Option("--eval-data", help="Text for p
 HeldoutFraction = Annotated[Optional[float], typer.Option("--heldout-fraction", help="Share of packed sequences held out of training.")]
 MaxTrainTokens = Annotated[Optional[int], typer.Option("--max-train-tokens", help="Cap on tokenised training data.")]
 ShuffleDocs = Annotated[Optional[bool], typer.Option("--shuffle-documents/--no-shuffle-documents", help="Shuffle documents before packing (default on).")]
-Method = Annotated[Optional[str], typer.Option("--method", help="wide | dynamic-depth | static-width | dense.")]
+Method = Annotated[Optional[str], typer.Option("--method", help="wide | dynamic-depth | static-width | static-depth | dense.")]
+CostTarget = Annotated[Optional[float], typer.Option("--cost-target", help="static-depth: per-token cost to reach, a fraction of dense in (0, 1) (default 0.75).")]
+CostMetric = Annotated[Optional[str], typer.Option("--cost-metric", help="What --cost-target is a fraction of: flops | decode_bytes (default flops).")]
 Sparsity = Annotated[Optional[float], typer.Option("--sparsity", help="Target fraction of skipped (token, group) decisions, in [0, 1).")]
 SparsityAttn = Annotated[Optional[float], typer.Option("--sparsity-attention", help="Per-module target for attention (with --sparsity-ffn).")]
 SparsityFfn = Annotated[Optional[float], typer.Option("--sparsity-ffn", help="Per-module target for the FFN (with --sparsity-attention).")]

@@ -51,7 +51,8 @@ def load_target(target: str, *, dtype, device) -> Target:
         pm = load_pruned(target, dtype=dtype, device=device)
         wcfg = pm.wide_config or {}
         state = getattr(pm.model, "wide_routing", None)
-        dense = state is None or state.cfg.method == "dense"
+        # a static-depth export routes nothing but is still a pruned model (fewer layers)
+        dense = (state is None or state.cfg.method == "dense") and wcfg.get("method") != "static-depth"
         return Target(target, pm.model, pm.tokenizer, "dense" if dense else "pruned",
                       dict(wcfg.get("source_model") or {}), wcfg)
     from wide_cli.models.loader import load_model
@@ -182,6 +183,7 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     """Run every task of ``plan`` on one loaded target; returns its report row (no reference
     columns yet; ``build_report`` adds them)."""
     from wide_cli.cost import decode_speedup_bound, flops_report
+    from wide_cli.eval import progress
     from wide_cli.eval.scoring import SparsityMeter
     from wide_cli.eval.wikitext import evaluate_wikitext
     from wide_cli.eval.zeroshot import evaluate_task
@@ -194,13 +196,14 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     for t in plan.tasks:
         sub = SparsityMeter()
         logger.info("%s: %s ...", target.name, t)
-        if t == "wikitext":
-            results[t] = evaluate_wikitext(model, tok, data_dir=plan.data_dir, dataset=plan.wikitext_dataset,
-                                           split=plan.split, limit=plan.limit, seq_len=seq_len,
-                                           stride=plan.stride, batch_size=plan.batch_size, meter=sub)
-        else:
-            results[t] = evaluate_task(model, tok, t, data_dir=plan.data_dir, limit=plan.limit,
-                                       batch_size=plan.batch_size, meter=sub)
+        with progress.label(f"{target.name}: {t}"):
+            if t == "wikitext":
+                results[t] = evaluate_wikitext(model, tok, data_dir=plan.data_dir, dataset=plan.wikitext_dataset,
+                                               split=plan.split, limit=plan.limit, seq_len=seq_len,
+                                               stride=plan.stride, batch_size=plan.batch_size, meter=sub)
+            else:
+                results[t] = evaluate_task(model, tok, t, data_dir=plan.data_dir, limit=plan.limit,
+                                           batch_size=plan.batch_size, meter=sub)
         total.merge(sub)
         logger.info("%s: %s %s = %.4f", target.name, t, results[t]["summary_metric"], results[t]["summary_value"])
     if plan.eval_data is not None:
@@ -224,6 +227,11 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
         router = {"router_rank": state.cfg.router_rank, "attn_groups": state.layout.attn_groups,
                       "ffn_groups": state.layout.ffn_groups}
     flops = flops_report(shape, sparsity, seq_len=seq_len, **router)
+    bound = decode_speedup_bound(shape, sparsity)
+    if wcfg.get("method") == "static-depth":  # relative to the source model, whose layers it removed
+        from wide_cli.pipeline.static_depth import export_cost
+
+        flops, bound = export_cost(wcfg, shape, seq_len=seq_len)
     return {
         "name": target.name,
         "kind": target.kind,
@@ -236,7 +244,7 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
         "sparsity": sparsity,
         "flops": {k: flops[k] for k in ("relative", "dense_flops_per_token", "routed_flops_per_token",
                                         "router_flops_per_token", "context_len")},
-        "decode_speedup_bound": decode_speedup_bound(shape, sparsity),
+        "decode_speedup_bound": bound,
         "warnings": [],
     }
 

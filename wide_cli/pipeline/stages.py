@@ -60,9 +60,10 @@ def load_backbone(settings: Settings):
 
     dtype = resolve_dtype(settings.model.dtype, settings.model.device)
     loaded = load_model(settings.model.name, dtype=dtype, device=settings.model.device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        resolve_groups(settings.routing, model_shape(loaded.model.config))
+    if settings.routing.method != "static-depth":  # removes whole layers: no groups
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            resolve_groups(settings.routing, model_shape(loaded.model.config))
     return loaded
 
 
@@ -249,6 +250,10 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
     loaded = loaded or load_backbone(settings)
     if dist_info().is_main:
         record_run(run, settings.to_dict(), model_identity(loaded), resume=True)
+    if settings.routing.method == "static-depth":
+        from wide_cli.pipeline import static_depth
+
+        return static_depth.train(settings, run, loaded=loaded, resume=resume, progress=progress)
     model = loaded.model
     stats = _load_stats(run) if settings.routing.method == "static-width" or settings.run.router_init == "calibration" else None
     attach(settings, model, stats=stats)
@@ -351,6 +356,11 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
     from wide_cli.export.writer import export_model
     from wide_cli.routing.config import resolve_groups
 
+    if settings.routing.method == "static-depth":
+        from wide_cli.pipeline import static_depth
+
+        return static_depth.export(settings, run, out, loaded=loaded or load_backbone(settings),
+                                   export_format=export_format)
     loaded, model = routed_model_from_run(settings, run, loaded=loaded)
     packed = _packed(settings, loaded.tokenizer, run)
     heldout = packed.heldout if len(packed.heldout) else packed.train

@@ -8,7 +8,10 @@ from dataclasses import asdict, dataclass
 from wide_cli.errors import ConfigError
 from wide_cli.models.arch import ModelShape
 
-METHODS = ("wide", "dynamic-depth", "static-width", "dense")
+METHODS = ("wide", "dynamic-depth", "static-width", "static-depth", "dense")
+#: What ``cost_target`` is a fraction of: dense per-token FLOPs or decode weight bytes read
+#: (``wide_cli.cost.METRICS``).
+COST_METRICS = ("flops", "decode_bytes")
 
 
 @dataclass(frozen=True)
@@ -18,7 +21,8 @@ class RoutingConfig:
     Attributes:
         method: ``wide`` (token-level head/channel groups), ``dynamic-depth`` (token-level
             skip of a whole block: one group spanning the full width), ``static-width``
-            (input-independent group removal) or ``dense`` (no routing).
+            (input-independent group removal), ``static-depth`` (whole decoder layers removed by
+            Block Influence, ShortGPT; the export is a plain smaller model) or ``dense``.
         attn_group_size: query heads per attention group; must divide H.
         ffn_group_size: intermediate channels per FFN group; must divide F.
         router_rank: bottleneck width r of each router MLP.
@@ -28,6 +32,8 @@ class RoutingConfig:
         sparsity_weight: lambda in ``loss = CE + lambda * |s_target - s_hat|``.
         route_attention / route_ffn: which modules get routers.
         tau_start / tau_end: Gumbel-softmax temperature, annealed linearly over optimizer steps.
+        cost_target: static-depth: the per-token cost to reach, a fraction of dense in (0, 1)
+            (None = 0.75); cost_metric: what it is a fraction of, ``flops`` or ``decode_bytes``.
     """
 
     method: str = "wide"
@@ -42,6 +48,8 @@ class RoutingConfig:
     route_ffn: bool = True
     tau_start: float = 5.0
     tau_end: float = 0.5
+    cost_target: float | None = None
+    cost_metric: str = "flops"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -65,6 +73,11 @@ class RoutingConfig:
             raise ConfigError(f"temperatures must be > 0 (got {self.tau_start} -> {self.tau_end})")
         if self.sparsity_weight < 0:
             raise ConfigError(f"sparsity-weight {self.sparsity_weight} must be >= 0")
+        if self.cost_target is not None and not (0.0 < float(self.cost_target) < 1.0):
+            raise ConfigError(f"cost-target {self.cost_target} is outside (0, 1)",
+                              "use e.g. 0.75 for 75 % of the dense model's per-token cost")
+        if self.cost_metric not in COST_METRICS:
+            raise ConfigError(f"unknown cost-metric {self.cost_metric!r}", f"choose one of {', '.join(COST_METRICS)}")
         if not (self.route_attention or self.route_ffn) and self.method != "dense":
             raise ConfigError("at least one of attention / ffn must be routed")
 

@@ -253,7 +253,8 @@ class RoutingInfo:
             return cls()
         routing = wc.get("routing") or {}
         layout = wc.get("layout") or {}
-        method = wc.get("method") or routing.get("method") or "wide"
+        # routing.method is what runs (a static-depth export routes nothing: "dense")
+        method = routing.get("method") or wc.get("method") or "wide"
         return cls(
             method=method,
             route_attention=bool(routing.get("route_attention", True)) and method != "dense",

@@ -71,8 +71,25 @@ def eval_cmd(
         from wide_cli.errors import ConfigError
 
         raise ConfigError("no TARGET given", "pass models/exports to compare, or --run-dir RUN for a run's eval stage")
+    from wide_cli.eval import progress
+
     task_list = list(run.DEFAULT_TASKS) if tasks is None else [t.strip() for t in tasks.split(",") if t.strip()]
-    report = run.evaluate_targets(
+    with progress.enabled(render.err):
+        report = _evaluate(run, targets, task_list, data_dir, limit, seq_len, stride, batch_size, dtype, device,
+                           eval_data, out, cache_dir)
+    render.err.print(render_table(report))
+    if out is not None:
+        render.log(f"report written to {out / 'report.json'} and {out / 'report.md'}")
+    else:
+        render.log("pass --out DIR to write report.json, report.md and the sparsity plots")
+    if json_out:
+        render.emit_json(report)
+
+
+def _evaluate(run, targets, task_list, data_dir, limit, seq_len, stride, batch_size, dtype, device, eval_data, out,
+              cache_dir) -> dict:
+    """``evaluate_targets`` with the command's defaults filled in."""
+    return run.evaluate_targets(
         targets,
         tasks=task_list,
         data_dir=data_dir if data_dir is not None else default_data_dir(),
@@ -86,13 +103,6 @@ def eval_cmd(
         out_dir=out,
         cache_dir=cache_dir,
     )
-    render.err.print(render_table(report))
-    if out is not None:
-        render.log(f"report written to {out / 'report.json'} and {out / 'report.md'}")
-    else:
-        render.log("pass --out DIR to write report.json, report.md and the sparsity plots")
-    if json_out:
-        render.emit_json(report)
 
 
 def _eval_run(run_dir: Path, json_out: bool) -> None:

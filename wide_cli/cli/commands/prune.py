@@ -14,6 +14,8 @@ def prune_cmd(
     max_train_tokens: o.MaxTrainTokens = None,
     shuffle_documents: o.ShuffleDocs = None,
     method: o.Method = None,
+    cost_target: o.CostTarget = None,
+    cost_metric: o.CostMetric = None,
     sparsity: o.Sparsity = None,
     sparsity_attention: o.SparsityAttn = None,
     sparsity_ffn: o.SparsityFfn = None,
