@@ -141,3 +141,20 @@ def test_bad_cost_target_one_line_exit_2_nothing_written(tmp_path, text_file, ca
     assert len(errors) == 1 and err[-1] == errors[0] and message in errors[0], err
     assert not (tmp_path / "r" / "export").exists()
     assert not (tmp_path / "r" / "stage1" / "static_depth.json").exists()
+
+
+def test_static_depth_stage_by_stage(tmp_path, text_file):
+    from tests.cli._invoke import ok
+
+    run = str(tmp_path / "run")
+    ok(["calibrate", "tiny-llama", "--data", str(text_file), "--run-dir", run, "--method", "static-depth",
+        "--cost-target", "0.7", "--seq-len", "32", "--batch-size", "2"])
+    ok(["train", "--run-dir", run])
+    sel = json.loads((tmp_path / "run" / "stage1" / "static_depth.json").read_text())
+    assert sel["num_layers"] == 2 and len(sel["removed"]) == 1 and len(sel["influence"]) == 2
+    ok(["train", "--run-dir", run, "--stage", "2", "--lora-steps", "2"])
+    ok(["export", "--run-dir", run, "--out", str(tmp_path / "exp")])
+    wcfg = json.loads((tmp_path / "exp" / "wide_config.json").read_text())
+    assert wcfg["lora"]["merged"] and wcfg["static_depth"]["removed"] == sel["removed"]
+    code = main(["export", "--run-dir", run, "--out", str(tmp_path / "hf"), "--format", "hf"])
+    assert code == 2 and not (tmp_path / "hf").exists()

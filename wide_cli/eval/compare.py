@@ -61,25 +61,13 @@ class SpeedConfig:
             raise ConfigError("warmup and threads must be >= 0")
 
 
-def runtime_for(target: str, *, backend: str, dtype):
-    """The runtime of one target: an export directory, or a model spec run dense."""
-    from wide_cli.export import is_export
-    from wide_cli.runtime.engine import Runtime
-
-    if is_export(target):
-        return Runtime.from_export(target, backend=backend, dtype=dtype)
-    from wide_cli.models.loader import load_model
-
-    lm = load_model(target, dtype=torch.float32)
-    return Runtime.from_model(lm.model, lm.tokenizer, backend=backend, dtype=dtype or torch.float32, routing=False)
-
-
 def measure_speed(targets: list[str], cfg: SpeedConfig, *, log=None) -> dict[str, dict]:
     """Decode (batch 1) and prefill tokens/s of every target's runtime, round-robin, median of
     ``cfg.repeats`` rounds. Returns ``{target: {decode_tokens_per_s, prefill_tokens_per_s,
     decode_seconds, prefill_seconds, sparsity}}`` (``sparsity``: measured in the decode rounds,
     None when the runtime routes nothing)."""
     from wide_cli.runtime.bench import _prompts, _RuntimeSystem, text_token_stream
+    from wide_cli.runtime.engine import Runtime
 
     log = log or (lambda msg: None)
     if cfg.threads > 0:
@@ -87,8 +75,8 @@ def measure_speed(targets: list[str], cfg: SpeedConfig, *, log=None) -> dict[str
     systems = {}
     for t in targets:
         log(f"speed: loading {t} on the {cfg.backend} backend")
-        rt = runtime_for(t, backend=cfg.backend, dtype=cfg.dtype)
-        routed = bool(rt.routing) and any(m.attn_groups or m.ffn_groups for m in rt.meta) and _has_routers(rt)
+        rt = Runtime.from_target(t, backend=cfg.backend, dtype=cfg.dtype)
+        routed = bool(rt.routing) and _has_routers(rt)
         systems[t] = _RuntimeSystem(rt, routed, None, cfg.seed)
     tok = next(iter(systems.values())).rt.tokenizer
     stream = text_token_stream(tok, max(cfg.prefill_len, cfg.decode_prompt_len) * 4)
@@ -117,11 +105,7 @@ def measure_speed(targets: list[str], cfg: SpeedConfig, *, log=None) -> dict[str
 
 def _has_routers(rt) -> bool:
     """True when some layer of the runtime has a router or a static keep mask."""
-    for m in rt.meta:
-        for attr in ("attn_router", "ffn_router", "attn_keep", "ffn_keep"):
-            if getattr(m, attr, None) is not None:
-                return True
-    return False
+    return any(v is not None for m in rt.meta for v in (*m.routers.values(), *m.keeps.values()))
 
 
 def _label(row: dict) -> str:
@@ -205,28 +189,26 @@ def render_markdown(doc: dict) -> str:
     lines = ["# wide compare", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(c) + " |" for c in cells]
-    lines += ["",
-              f"Quality: tasks {', '.join(q['tasks'])}; limit {q['limit']}; perplexity window {q['seq_len']}; "
-              f"dtype {q['dtype']}. Task average = mean of the zero-shot tasks' summary metric.",
-              f"Speed: runtime backend {sp['backend']}, {env['dtype']}, {env['threads']} thread(s); decode batch 1, "
-              f"{sp['new_tokens']} new tokens after a {sp['decode_prompt_len']}-token prompt; prefill of "
-              f"{sp['prefill_len']} tokens; systems round-robin, {sp['warmup']} warm-up + {sp['repeats']} timed "
-              "rounds, median; speedups vs the dense model in the same rounds.", ""]
+    quality = (f"Quality: tasks {', '.join(q['tasks'])}; limit {q['limit']}; perplexity window {q['seq_len']}; "
+               f"dtype {q['dtype']}. Task average = mean of the zero-shot tasks' summary metric.")
+    speed = (f"Speed: runtime backend {sp['backend']}, {env['dtype']}, {env['threads']} thread(s); decode batch 1, "
+             f"{sp['new_tokens']} new tokens after a {sp['decode_prompt_len']}-token prompt; prefill of "
+             f"{sp['prefill_len']} tokens; systems round-robin, {sp['warmup']} warm-up + {sp['repeats']} timed "
+             "rounds, median; speedups vs the dense model in the same rounds.")
+    lines += ["", quality, speed, ""]
     return "\n".join(lines)
 
 
 def pareto_plot(rows: list[dict], path: Path, *, title: str = "") -> Path:
     """Perplexity and task average against measured decode speedup, one marker per (method, cost
     point); written atomically as PNG."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    from wide_cli.atomic import atomic_write_bytes
+    from wide_cli.eval.plots import save_figure
 
     pts = [r for r in rows if r["decode_speedup"] is not None]
     have_tasks = any(r["task_avg"] is not None for r in pts)
@@ -269,21 +251,22 @@ def pareto_plot(rows: list[dict], path: Path, *, title: str = "") -> Path:
         axes[0][0].legend(fontsize=8, loc="best")
         if title:
             fig.suptitle(title, fontsize=10)
-        fig.text(0.01, 0.01, "labels: cost target (fraction of dense per-token cost) or s= sparsity target", fontsize=7, color="grey")
+        fig.text(0.01, 0.01, "labels: cost target (fraction of dense per-token cost) or s= sparsity target",
+                 fontsize=7, color="grey")
         fig.tight_layout(rect=(0, 0.03, 1, 1))
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-    finally:
+    except BaseException:
         plt.close(fig)
-    atomic_write_bytes(Path(path), buf.getvalue())
-    return Path(path)
+        raise
+    return save_figure(fig, path)
 
 
 def compare(targets: list[str], *, tasks: list[str], data_dir: Path | None, limit: int | None, seq_len: int | None,
             batch_size: int, dtype: str, cache_dir: Path | None, speed: SpeedConfig, out_dir: Path | None,
-            log=None) -> dict:
+            word_perplexity: bool = False, log=None) -> dict:
     """Evaluate and time ``targets`` (the first is normally the dense model); returns the report
     (module docstring) and writes ``report.json``, ``report.md`` and ``pareto.png`` to ``out_dir``.
+    WikiText-2 is scored token-level only unless ``word_perplexity`` (lm-eval's rolling protocol too,
+    twice the time).
 
     Raises:
         ConfigError / DataError: bad settings or data, before any model is loaded (speed
@@ -303,7 +286,8 @@ def compare(targets: list[str], *, tasks: list[str], data_dir: Path | None, limi
         raise ConfigError(f"wide compare needs the dense model and at least one export (got {len(targets)})",
                           "e.g. wide compare smollm2-135m runs/a/export runs/b/export")
     report = evaluate_targets(targets, tasks=tasks, data_dir=data_dir, limit=limit, seq_len=seq_len,
-                              batch_size=batch_size, dtype=dtype, device="cpu", cache_dir=cache_dir)
+                              batch_size=batch_size, dtype=dtype, device="cpu", cache_dir=cache_dir,
+                              wikitext_protocols=("token", "harness") if word_perplexity else ("token",))
     _attach_export_facts(report)
     spd = measure_speed(targets, speed, log=log)
     rows = compare_rows(report, spd)
