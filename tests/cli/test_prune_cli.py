@@ -1,5 +1,6 @@
 """`wide prune` end to end on a tiny model, its --json contract, bad input (one line, non-zero
-exit, nothing half-written), and every flag reaching the settings (B25)."""
+exit, nothing half-written), and every flag reaching the settings (a
+flag that is parsed but ignored is a silent bug)."""
 
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def test_b12_fp16_on_cpu_upcasts_once_and_bf16_runs(tmp_path, text_file):
     assert abs(db - d32) / d32 < 0.01
 
 
-# ------------------------------------------------------------------ B25: every flag is used
+# ------------------------------------------------------------------ every flag is used
 NOT_SETTINGS = {"model", "recipe", "run_dir", "out", "resume", "json_out", "nproc"}
 
 SAMPLE = {

@@ -1,11 +1,11 @@
 """GPU: every CuPy kernel against its PyTorch reference (``runtime/ops.py``).
 
-Shapes: B08's ``(B, T)`` in {(1,1), (1,7), (3,1), (2,5), (1,129)} on the tiny Llama of that case
-(intermediate 96, FFN groups of 32, head groups of 2), larger SmolLM2/Llama-like tiles, and
+Shapes: ``(B, T)`` in {(1,1), (1,7), (3,1), (2,5), (1,129)} (decode, odd prefill, batched, one
+past a tile) on a tiny Llama (intermediate 96, FFN groups of 32, head groups of 2), larger SmolLM2/Llama-like tiles, and
 non-contiguous inputs (a transposed activation, a row-sliced one, a transposed KV-cache view).
 
 Tolerances, relative Frobenius error against the reference computed in fp32 on the same inputs:
-fp16 1e-3 (one fp16 rounding of an fp32-accumulated result, B08), bf16 8e-3 (bf16 has 3 fewer
+fp16 1e-3 (one fp16 rounding of an fp32-accumulated result), bf16 8e-3 (bf16 has 3 fewer
 mantissa bits). Attention rounds the softmax weights to the input dtype before P.V (as
 FlashAttention does), so its bounds are 2e-3 / 1.5e-2. Skipped outputs must be exact zeros.
 
@@ -372,7 +372,7 @@ def test_attention_decode_long_context():
 
 
 # ---------------------------------------------------------------------------------------------
-# the backend end to end (B08: runtime with the CuPy kernels vs the reference backend)
+# the backend end to end (runtime with the CuPy kernels vs the reference backend: same answers)
 
 
 def _tiny_routed(seed=0):
