@@ -115,6 +115,6 @@ def test_bench_weight_bytes_come_from_the_cost_model():
     wb = weight_bytes(weights, 2)
     direct = sum(p.numel() for n, p in model.named_parameters() if "router" not in n and "embed" not in n)
     assert sum(wb.values()) == 2 * (direct + model.config.hidden_size)  # + one embedding row
-    cm = cost_model(model_shape(model.config), metric="decode_bytes")
+    cm = cost_model(model_shape(model.config), metric="decode-bytes")
     assert decode_cost(weights) == cm
     assert decode_cost(weights).speedup_bound({"attention": 0.5, "ffn": 0.5}) > 1.0
