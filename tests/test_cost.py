@@ -36,7 +36,7 @@ def test_dense_totals_equal_a_direct_count_of_the_linear_weights(tiny):
     routed = _linear_elements(tiny, {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
     always = _linear_elements(tiny, {"k_proj", "v_proj", "lm_head"})
     norms = sum(p.numel() for n, p in tiny.named_parameters() if "norm" in n)
-    by = cost_model(shape, metric="decode-bytes", attn_group_size=2, ffn_group_size=32)
+    by = cost_model(shape, metric="decode_bytes", attn_group_size=2, ffn_group_size=32)
     # decode reads every Linear weight, the norms, and one embedding row
     assert by.dense_total == routed + always + norms + D
     assert by.floor == always + norms + D
@@ -83,7 +83,7 @@ def test_weighted_skip_fraction_equals_a_hand_count_on_forced_masks():
     assert cm.skip_from_summary(summary) == pytest.approx(hand)
     assert cm.relative(summary) == pytest.approx(1 - hand)
     # bytes weigh an attention group 2*8*2*2 = 64 and an FFN group 3*8*4 = 96
-    by = cost_model(shape, metric="decode-bytes", attn_group_size=2, ffn_group_size=4)
+    by = cost_model(shape, metric="decode_bytes", attn_group_size=2, ffn_group_size=4)
     assert by.skip_from_masks(masks) == pytest.approx((3 * 64 + 2 * 96) / 2 / by.dense_total)
 
 

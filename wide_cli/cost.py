@@ -19,7 +19,7 @@ Two metrics, per generated token, of one Llama-family decoder with ``L`` layers,
     FFN group of c channels (per layer)
                    gate + up + down                      2 * 3 * D * c
 
-``decode-bytes`` (weight elements read by one batch-1 decode step; a decode step is memory-bound,
+``decode_bytes`` (weight elements read by one batch-1 decode step; a decode step is memory-bound,
 so its time is taken as proportional to them; multiply by the dtype's item size for bytes)::
 
     always dense   per layer  k_proj, v_proj, both RMSNorm weights   2 * D * H_kv * d + 2 * D
@@ -49,7 +49,7 @@ import torch
 
 from wide_cli.models.arch import ModelShape
 
-METRICS = ("flops", "decode-bytes")
+METRICS = ("flops", "decode_bytes")
 MODULES = ("attention", "ffn")
 
 
@@ -64,7 +64,7 @@ class CostModel:
     per-group routed parts (see the module docstring for the formulas).
 
     Attributes:
-        metric: ``flops`` or ``decode-bytes`` (weight elements; times the item size for bytes).
+        metric: ``flops`` or ``decode_bytes`` (weight elements; times the item size for bytes).
         num_layers: L.
         attn_groups, ffn_groups: G_a, G_f routed groups per layer.
         attn_group: cost of executing one attention group in one layer, for one token.
@@ -246,7 +246,7 @@ def cost_model(
 
     Args:
         shape: ``ModelShape`` (``wide_cli.models.arch.model_shape(config)``).
-        metric: ``flops`` or ``decode-bytes``.
+        metric: ``flops`` or ``decode_bytes``.
         attn_group_size: query heads per attention group (None = all heads, one group).
         ffn_group_size: channels per FFN group (None = all channels, one group).
         seq_len / context_len: the attention core's mean context ``C`` (``context_len`` wins;
@@ -256,7 +256,7 @@ def cost_model(
     Raises:
         ValueError: unknown metric, or a group size that does not divide its axis.
     """
-    metric = metric.replace("_", "-")
+    metric = metric.replace("-", "_")
     if metric not in METRICS:
         raise ValueError(f"cost metric {metric!r} unknown; choose one of {', '.join(METRICS)}")
     D, H, Hkv, d, F, V, L = (shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
@@ -324,9 +324,9 @@ def flops_report(shape: ModelShape, sparsity: Mapping | None, *, seq_len: int, r
 
 def decode_speedup_bound(shape: ModelShape, sparsity: Mapping | None) -> float:
     """Ideal end-to-end batch-1 decode speed-up over dense at a measured sparsity summary: dense
-    weight elements read per token / routed ones (``decode-bytes``; routers and KV cache ignored).
+    weight elements read per token / routed ones (``decode_bytes``; routers and KV cache ignored).
     SmolLM2-135M at 0.5 / 0.5: about 1.59x; Llama-3.1-8B: about 1.81x (DESIGN.md §3)."""
-    return cost_model(shape, metric="decode-bytes").speedup_bound(sparsity)
+    return cost_model(shape, metric="decode_bytes").speedup_bound(sparsity)
 
 
 def shape_of_layers(layers: Sequence, vocab_size: int, hidden_size: int) -> ModelShape:

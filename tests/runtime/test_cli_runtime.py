@@ -115,6 +115,48 @@ def test_bench_weight_bytes_come_from_the_cost_model():
     wb = weight_bytes(weights, 2)
     direct = sum(p.numel() for n, p in model.named_parameters() if "router" not in n and "embed" not in n)
     assert sum(wb.values()) == 2 * (direct + model.config.hidden_size)  # + one embedding row
-    cm = cost_model(model_shape(model.config), metric="decode-bytes")
+    cm = cost_model(model_shape(model.config), metric="decode_bytes")
     assert decode_cost(weights) == cm
     assert decode_cost(weights).speedup_bound({"attention": 0.5, "ffn": 0.5}) > 1.0
+
+
+def test_generate_runs_a_dense_model_spec_and_side_by_side(tiny_export):
+    import torch
+
+    from wide_cli.models.loader import load_model
+
+    doc = _run(["generate", "tiny-llama", "-p", "hello", "--max-new-tokens", "5", "--ignore-eos", "--threads", "1",
+                "--json"])
+    assert doc.exit_code == 0, doc.output
+    dense = json.loads(doc.stdout)
+    assert dense["routing"] is False and len(dense["tokens"][0]) == 5
+    lm = load_model("tiny-llama")  # the runtime's greedy tokens are HF greedy on the dense model
+    ids = lm.tokenizer("hello", return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = lm.model.generate(ids, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    assert dense["tokens"][0] == ref[0, ids.shape[1]:].tolist()
+    r = _run(["generate", "tiny-llama", str(tiny_export), "-p", "ab", "-p", "cde", "--max-new-tokens", "3",
+              "--ignore-eos", "--threads", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    both = json.loads(r.stdout)
+    assert [m["model"] for m in both["models"]] == ["tiny-llama", str(tiny_export)]
+    assert both["models"][0]["tokens"][0][:3] == _gen_tokens("tiny-llama", "ab")
+    assert all(len(m["texts"]) == 2 for m in both["models"]) and both["models"][1]["routing"] is True
+    table = _run(["generate", "tiny-llama", str(tiny_export), "-p", "ab", "--max-new-tokens", "3", "--threads", "1"])
+    assert table.exit_code == 0 and "tiny-llama" in table.stdout and "ab" in table.stdout
+
+
+def _gen_tokens(model, prompt):
+    r = _run(["generate", model, "-p", prompt, "--max-new-tokens", "3", "--ignore-eos", "--threads", "1", "--json"])
+    return json.loads(r.stdout)["tokens"][0]
+
+
+def test_compare_times_routed_exports_routed_and_dense_models_dense(tiny_export):
+    from wide_cli.eval.compare import SpeedConfig, _has_routers, measure_speed
+    from wide_cli.runtime.engine import Runtime
+
+    assert _has_routers(Runtime.from_target(tiny_export)) and not _has_routers(Runtime.from_target("tiny-llama"))
+    sp = measure_speed(["tiny-llama", str(tiny_export)],
+                       SpeedConfig(new_tokens=2, decode_prompt_len=4, prefill_len=8, repeats=1, warmup=0))
+    assert sp["tiny-llama"]["sparsity"] is None and sp[str(tiny_export)]["sparsity"]["total"] > 0
+    assert len(sp[str(tiny_export)]["decode_seconds"]) == 1 and sp["tiny-llama"]["prefill_tokens_per_s"] > 0

@@ -30,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("wide_cli.cli.commands.eval", "eval_cmd"),
     "generate": ("wide_cli.cli.commands.generate", "generate_cmd"),
     "bench": ("wide_cli.cli.commands.bench", "bench_cmd"),
+    "compare": ("wide_cli.cli.commands.compare", "compare_cmd"),
+    "serve": ("wide_cli.cli.commands.serve", "serve_cmd"),
     "inspect": ("wide_cli.cli.commands.inspect", "inspect_cmd"),
     "recipes": ("wide_cli.cli.commands.recipes", "recipes_cmd"),
 }

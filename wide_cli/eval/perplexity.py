@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from wide_cli.errors import ConfigError, DataError
+from wide_cli.eval import progress
 from wide_cli.eval.scoring import (
     SparsityMeter,
     check_ids,
@@ -131,9 +132,10 @@ def token_perplexity(
     device = device or model_device(model)
     nll_sum, scored = 0.0, 0
     meter = meter if meter is not None else SparsityMeter()
-    with measure_sparsity(model, meter):
+    with measure_sparsity(model, meter), progress.tracker(len(plan) * seq_len) as bar:
         for b0 in range(0, len(plan), batch_size):
             chunk = plan[b0:b0 + batch_size]
+            bar.advance(len(chunk) * seq_len)
             x = torch.stack([ids[b:e] for b, e, _ in chunk]).to(device)  # [B, L]
             mask = torch.ones_like(x)
             logits = forward_logits(model, x, mask)  # [B, L, V]

@@ -43,15 +43,17 @@ class Target:
     wide_config: dict | None = None
 
 
-def load_target(target: str, *, dtype, device) -> Target:
-    """Load one target (see the module docstring). ``dtype`` is a torch dtype."""
+def load_target(target: str, *, dtype, device, trust_remote_code: bool = False) -> Target:
+    """Load one target (see the module docstring). ``dtype`` is a torch dtype;
+    ``trust_remote_code`` lets an hf export's shipped code run (``load_hf_export``)."""
     from wide_cli.export import is_export, load_pruned
 
     if is_export(target):
-        pm = load_pruned(target, dtype=dtype, device=device)
+        pm = load_pruned(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         wcfg = pm.wide_config or {}
         state = getattr(pm.model, "wide_routing", None)
-        dense = state is None or state.cfg.method == "dense"
+        # a static-depth export routes nothing but is still a pruned model (fewer layers)
+        dense = (state is None or state.cfg.method == "dense") and wcfg.get("method") != "static-depth"
         return Target(target, pm.model, pm.tokenizer, "dense" if dense else "pruned",
                       dict(wcfg.get("source_model") or {}), wcfg)
     from wide_cli.models.loader import load_model
@@ -74,6 +76,8 @@ class EvalPlan:
     eval_data: Path | None
     wikitext_dataset: str = "wikitext-2-raw-v1"
     split: str = "test"
+    #: ``token`` (pruning papers' token-level perplexity) and/or ``harness`` (lm-eval word-level)
+    wikitext_protocols: tuple[str, ...] = ("token", "harness")
 
     @property
     def zero_shot(self) -> tuple[str, ...]:
@@ -147,9 +151,9 @@ def resolve_seq_len(plan: EvalPlan, model, tokenizer) -> int:
     max_len = resolve_max_length(model, tokenizer)
     if plan.seq_len is None:
         return min(DEFAULT_SEQ_LEN, max_len)
-    if plan.seq_len > max_len:
-        raise ConfigError(f"seq-len {plan.seq_len} exceeds the model's context length {max_len}",
-                          f"pass --seq-len {max_len} or less")
+    from wide_cli.models.arch import check_context
+
+    check_context(plan.seq_len, max_len, f"seq-len {plan.seq_len}", f"pass --seq-len {max_len} or less")
     return plan.seq_len
 
 
@@ -182,6 +186,7 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     """Run every task of ``plan`` on one loaded target; returns its report row (no reference
     columns yet; ``build_report`` adds them)."""
     from wide_cli.cost import decode_speedup_bound, flops_report
+    from wide_cli.eval import progress
     from wide_cli.eval.scoring import SparsityMeter
     from wide_cli.eval.wikitext import evaluate_wikitext
     from wide_cli.eval.zeroshot import evaluate_task
@@ -194,13 +199,15 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     for t in plan.tasks:
         sub = SparsityMeter()
         logger.info("%s: %s ...", target.name, t)
-        if t == "wikitext":
-            results[t] = evaluate_wikitext(model, tok, data_dir=plan.data_dir, dataset=plan.wikitext_dataset,
-                                           split=plan.split, limit=plan.limit, seq_len=seq_len,
-                                           stride=plan.stride, batch_size=plan.batch_size, meter=sub)
-        else:
-            results[t] = evaluate_task(model, tok, t, data_dir=plan.data_dir, limit=plan.limit,
-                                       batch_size=plan.batch_size, meter=sub)
+        with progress.label(f"{target.name}: {t}"):
+            if t == "wikitext":
+                results[t] = evaluate_wikitext(model, tok, data_dir=plan.data_dir, dataset=plan.wikitext_dataset,
+                                               split=plan.split, limit=plan.limit, seq_len=seq_len,
+                                               stride=plan.stride, batch_size=plan.batch_size, meter=sub,
+                                               protocols=plan.wikitext_protocols)
+            else:
+                results[t] = evaluate_task(model, tok, t, data_dir=plan.data_dir, limit=plan.limit,
+                                           batch_size=plan.batch_size, meter=sub)
         total.merge(sub)
         logger.info("%s: %s %s = %.4f", target.name, t, results[t]["summary_metric"], results[t]["summary_value"])
     if plan.eval_data is not None:
@@ -224,6 +231,11 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
         router = {"router_rank": state.cfg.router_rank, "attn_groups": state.layout.attn_groups,
                       "ffn_groups": state.layout.ffn_groups}
     flops = flops_report(shape, sparsity, seq_len=seq_len, **router)
+    bound = decode_speedup_bound(shape, sparsity)
+    if wcfg.get("method") == "static-depth":  # relative to the source model, whose layers it removed
+        from wide_cli.pipeline.static_depth import export_cost
+
+        flops, bound = export_cost(wcfg, shape, seq_len=seq_len)
     return {
         "name": target.name,
         "kind": target.kind,
@@ -236,7 +248,7 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
         "sparsity": sparsity,
         "flops": {k: flops[k] for k in ("relative", "dense_flops_per_token", "routed_flops_per_token",
                                         "router_flops_per_token", "context_len")},
-        "decode_speedup_bound": decode_speedup_bound(shape, sparsity),
+        "decode_speedup_bound": bound,
         "warnings": [],
     }
 
@@ -273,6 +285,8 @@ def evaluate_targets(
     out_dir: Path | None = None,
     stride: int | None = None,
     cache_dir: Path | None = None,
+    wikitext_protocols: tuple[str, ...] = ("token", "harness"),
+    trust_remote_code: bool = False,
 ) -> dict:
     """Evaluate models side by side and build the comparison report.
 
@@ -292,6 +306,9 @@ def evaluate_targets(
         cache_dir: when set, a model's row is read from there if its weights, the data, these
             settings and the evaluation code are unchanged, and stored there otherwise
             (``wide_cli.eval.cache``).
+        wikitext_protocols: ``token`` and/or ``harness`` (``wide_cli.eval.wikitext.evaluate_wikitext``);
+            ``token`` alone halves WikiText's time.
+        trust_remote_code: run the Python files of hf-format exports (never by default).
 
     Returns:
         The report dict (schema in ``wide_cli.eval.report``).
@@ -308,14 +325,17 @@ def evaluate_targets(
 
     if not targets:
         raise ConfigError("no target to evaluate", "pass one or more models or export directories")
+    import dataclasses
+
     plan = make_plan(tasks, data_dir=data_dir, limit=limit, seq_len=seq_len, stride=stride,
                      batch_size=batch_size, eval_data=eval_data)
+    plan = dataclasses.replace(plan, wikitext_protocols=tuple(wikitext_protocols))
     if device in (None, "auto"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     tdtype = resolve_dtype(dtype, device)
     rows, dense_ref, warnings_ = [], None, []
     for name in targets:
-        tgt = load_target(name, dtype=tdtype, device=device)
+        tgt = load_target(name, dtype=tdtype, device=device, trust_remote_code=trust_remote_code)
         if tgt.kind == "dense" and dense_ref is None:
             dense_ref = Target(tgt.name, None, None, "dense", tgt.source)
         key = cache.cache_key(tgt, plan, dtype=tdtype, device=device) if cache_dir is not None else None

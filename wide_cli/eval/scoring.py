@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from wide_cli.errors import ConfigError, DataError
+from wide_cli.eval import progress
 
 logger = logging.getLogger("wide.eval")
 
@@ -81,11 +82,11 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
 def resolve_max_length(model, tokenizer=None) -> int:
     """The model's context length as lm-eval resolves it: config ``n_positions`` /
     ``max_position_embeddings`` / ``n_ctx``, else ``tokenizer.model_max_length``, else 2048."""
-    cfg = getattr(model.config, "text_config", None) or model.config
-    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
-        v = getattr(cfg, attr, None)
-        if v is not None:
-            return int(v)
+    from wide_cli.models.arch import context_length
+
+    n = context_length(model.config)
+    if n is not None:
+        return n
     mml = getattr(tokenizer, "model_max_length", None)
     if mml is not None and mml != _TOKENIZER_INFINITY:
         return int(mml)
@@ -295,24 +296,38 @@ def loglikelihoods(
                             "raise --seq-len or shorten the data")
     order = sorted(range(len(requests)), key=lambda i: -(len(requests[i][0]) + len(requests[i][1])))
     out: list[Scored | None] = [None] * len(requests)
-    for b0 in range(0, len(order), batch_size):
-        idx = order[b0:b0 + batch_size]
-        inps = [(requests[i][0] + requests[i][1])[-(max_length + 1):][:-1] for i in idx]
-        T = max(len(x) for x in inps)
-        ids = torch.full((len(idx), T), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(idx), T), dtype=torch.long)
-        for r, x in enumerate(inps):
-            ids[r, :len(x)] = torch.tensor(x, dtype=torch.long)
-            mask[r, :len(x)] = 1
-        check_ids(ids, vocab)
-        logits = forward_logits(model, ids.to(device), mask.to(device))  # [B, T, V]
-        for r, i in enumerate(idx):
-            cont = requests[i][1]
-            inplen, contlen = len(inps[r]), len(cont)
-            lp = F.log_softmax(logits[r, inplen - contlen:inplen].float(), dim=-1)  # [contlen, V]
-            tgt = torch.tensor(cont, dtype=torch.long, device=lp.device)
-            ll = lp.gather(-1, tgt[:, None]).squeeze(-1)
-            greedy = bool((lp.argmax(-1) == tgt).all())
-            out[i] = Scored(float(ll.double().sum()), contlen, greedy)
-        del logits
+    lengths = [min(len(c) + len(t) - 1, max_length) for c, t in requests]
+    with progress.tracker(sum(lengths)) as bar:
+        for b0 in range(0, len(order), batch_size):
+            idx = order[b0:b0 + batch_size]
+            out_batch = _score_batch(model, requests, idx, max_length=max_length, pad_id=pad_id, device=device,
+                                     vocab=vocab)
+            for i, sc in zip(idx, out_batch):
+                out[i] = sc
+            bar.advance(sum(lengths[i] for i in idx))
     return out  # type: ignore[return-value]
+
+
+def _score_batch(model, requests, idx: list[int], *, max_length: int, pad_id: int, device, vocab: int
+                 ) -> list[Scored]:
+    """Score the requests ``idx`` in one right-padded forward (see ``loglikelihoods``)."""
+    out = []
+    inps = [(requests[i][0] + requests[i][1])[-(max_length + 1):][:-1] for i in idx]
+    T = max(len(x) for x in inps)
+    ids = torch.full((len(idx), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(idx), T), dtype=torch.long)
+    for r, x in enumerate(inps):
+        ids[r, :len(x)] = torch.tensor(x, dtype=torch.long)
+        mask[r, :len(x)] = 1
+    check_ids(ids, vocab)
+    logits = forward_logits(model, ids.to(device), mask.to(device))  # [B, T, V]
+    for r, i in enumerate(idx):
+        cont = requests[i][1]
+        inplen, contlen = len(inps[r]), len(cont)
+        lp = F.log_softmax(logits[r, inplen - contlen:inplen].float(), dim=-1)  # [contlen, V]
+        tgt = torch.tensor(cont, dtype=torch.long, device=lp.device)
+        ll = lp.gather(-1, tgt[:, None]).squeeze(-1)
+        greedy = bool((lp.argmax(-1) == tgt).all())
+        out.append(Scored(float(ll.double().sum()), contlen, greedy))
+    del logits
+    return out

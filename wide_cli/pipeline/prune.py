@@ -24,7 +24,7 @@ class PruneResult:
         train: ``{steps, tokens, seconds}`` of stage 1 (+ ``stage2`` when run).
         seconds: wall time of the whole run, s.
         cost: measured on the eval data (``wide_cli.cost``, routers not counted): ``{flops,
-            decode-bytes}`` fractions of dense, plus ``target`` / ``metric`` (the request, or None)
+            decode_bytes}`` fractions of dense, plus ``target`` / ``metric`` (the request, or None)
             and ``error`` (measured minus target in the target's metric).
     """
 
@@ -74,12 +74,25 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
             log(f"      {cal.train_sequences} train / {cal.heldout_sequences} held-out sequences of "
                 f"{settings.train.seq_len} tokens ({cal.seconds:.1f} s)")
         distributed.barrier()  # other ranks read the packed-data cache rank 0 wrote
-        log(f"[2/4] train: method {settings.routing.method}, {settings.train.steps} steps x "
-            f"{settings.train.sequences_per_step * info.world} x {settings.train.seq_len} tokens"
-            + (f" ({info.world} processes)" if info.enabled else ""))
+        if settings.routing.method == "static-depth":
+            log(f"[2/4] select layers by Block Influence (cost target {settings.routing.cost_target or 0.75} of "
+                f"dense {settings.routing.cost_metric})" + (
+                    f", then LoRA healing: {settings.stage2.steps} steps x {settings.train.sequences_per_step} x "
+                    f"{settings.train.seq_len} tokens" if settings.stage2.enabled else ""))
+        else:
+            log(f"[2/4] train: method {settings.routing.method}, {settings.train.steps} steps x "
+                f"{settings.train.sequences_per_step * info.world} x {settings.train.seq_len} tokens"
+                + (f" ({info.world} processes)" if info.enabled else ""))
         tr = stages.train(settings, run, resume=resume, loaded=loaded, progress=progress)
         train_info = tr.to_dict()
-        if settings.stage2.enabled and not settings.stage2.joint and settings.routing.method not in ("dense", "static-width"):
+        if settings.routing.method == "static-depth" and info.is_main:
+            from wide_cli.pipeline.static_depth import read_selection
+
+            sel = read_selection(run)
+            train_info["static_depth"] = {k: sel[k] for k in ("removed", "num_layers", "cost_target",
+                                                              "cost_metric", "cost_fraction")}
+        if (settings.stage2.enabled and not settings.stage2.joint
+                and settings.routing.method not in ("dense", "static-width", "static-depth")):
             from wide_cli.train.lora import train_stage2
 
             distributed.barrier()
@@ -120,7 +133,7 @@ def measured_cost(settings: Settings, config, sparsity: dict, seq_len: int) -> d
     from wide_cli.models.arch import model_shape
 
     shape = model_shape(config)
-    out = {m: cost_model(shape, metric=m, seq_len=seq_len).relative(sparsity) for m in ("flops", "decode-bytes")}
+    out = {m: cost_model(shape, metric=m, seq_len=seq_len).relative(sparsity) for m in ("flops", "decode_bytes")}
     target = settings.routing.cost_target
     out.update(target=target, metric=settings.routing.cost_metric if target is not None else None,
                error=None if target is None else out[settings.routing.cost_metric] - target)

@@ -47,23 +47,33 @@ def effective_settings(settings: Settings) -> Settings:
 
 
 def load_backbone(settings: Settings):
-    """Load the dense model of ``settings.model`` (LoadedModel) and check the routing settings
-    against it (group sizes must divide H and F) before any work is done.
+    """Load the dense model of ``settings.model`` (LoadedModel) and check the settings against
+    it before any work is done: group sizes must divide H and F, and the training and
+    perplexity sequence lengths must fit in the model's context (the rule of ``wide eval``).
 
     Raises:
         ModelSourceError: unknown/missing model, unsupported architecture.
-        ConfigError: a group size that does not fit the model.
+        ConfigError: a group size that does not fit the model; a sequence length longer than
+            the model's context length, naming both numbers.
     """
-    from wide_cli.models.arch import model_shape
+    from wide_cli.models.arch import check_context, context_length, model_shape
     from wide_cli.models.loader import load_model, resolve_dtype
     from wide_cli.routing.config import resolve_groups
 
     dtype = resolve_dtype(settings.model.dtype, settings.model.device)
     loaded = load_model(settings.model.name, dtype=dtype, device=settings.model.device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        resolve_groups(settings.routing, model_shape(loaded.model.config))
-    settings.routing.check_reachable(model_shape(loaded.model.config), settings.train.seq_len)
+    if settings.routing.method != "static-depth":  # removes whole layers: no groups
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            resolve_groups(settings.routing, model_shape(loaded.model.config))
+    if settings.routing.method not in ("static-depth",):
+        settings.routing.check_reachable(model_shape(loaded.model.config), settings.train.seq_len)
+    max_len = context_length(loaded.model.config)
+    check_context(settings.train.seq_len, max_len, f"seq-len {settings.train.seq_len}",
+                  f"pass --seq-len {max_len} or less")
+    if settings.eval.seq_len:
+        check_context(settings.eval.seq_len, max_len, f"eval-seq-len {settings.eval.seq_len}",
+                      f"pass --eval-seq-len {max_len} or less")
     return loaded
 
 
@@ -123,12 +133,14 @@ def calibrate(settings: Settings, run: RunDir, *, resume: bool = False, loaded=N
     record_run(run, settings.to_dict(), model_identity(loaded), resume=resume)
     packed = _packed(settings, loaded.tokenizer, run)
     stats_path = run.calibration / STATS_FILE
-    if not (resume and stats_path.is_file()):
+    # static-depth ranks whole layers by Block Influence in its train stage: no group statistics
+    needs_stats = settings.routing.method != "static-depth"
+    if needs_stats and not (resume and stats_path.is_file()):
         stats = collect_statistics(
             loaded.model, packed.train, batch_size=settings.train.batch_size, max_batches=max_batches
         )
         stats.save(stats_path)
-    else:
+    elif needs_stats:
         GroupStatistics.load(stats_path)  # validates it is readable
     res = CalibrationResult(
         len(packed.train), len(packed.heldout), int(packed.train.numel() + packed.heldout.numel()),
@@ -250,6 +262,10 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
     loaded = loaded or load_backbone(settings)
     if dist_info().is_main:
         record_run(run, settings.to_dict(), model_identity(loaded), resume=True)
+    if settings.routing.method == "static-depth":
+        from wide_cli.pipeline import static_depth
+
+        return static_depth.train(settings, run, loaded=loaded, resume=resume, progress=progress)
     model = loaded.model
     rcfg = settings.routing
     need_stats = (rcfg.method == "static-width" or settings.run.router_init == "calibration"
@@ -473,6 +489,11 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
     if export_format == "hf" and settings.routing.standin != "none":
         raise ConfigError(f"--format hf cannot carry the stand-ins of standin={settings.routing.standin!r}",
                           "export with --format wide (the runtime, wide eval and wide bench apply them)")
+    if settings.routing.method == "static-depth":
+        from wide_cli.pipeline import static_depth
+
+        return static_depth.export(settings, run, out, loaded=loaded or load_backbone(settings),
+                                   export_format=export_format)
     loaded, model = routed_model_from_run(settings, run, loaded=loaded)
     packed = _packed(settings, loaded.tokenizer, run)
     heldout = packed.heldout if len(packed.heldout) else packed.train
@@ -495,8 +516,9 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
             "ffn_groups": layout.ffn_groups,
             "kv_aligned": layout.kv_aligned,
         },
-        "measured_sparsity": {**measured, "data": "held-out split of " + settings.data.train},
-        "source_model": {"spec": loaded.source, "resolved": loaded.resolved, "revision": loaded.revision},
+        "measured_sparsity": {**measured, "data": "held-out split of " + shareable(settings.data.train)},
+        "source_model": {**loaded.provenance, "spec": shareable(loaded.source), "resolved": loaded.resolved,
+                         "revision": loaded.revision},
         "lora": (
             {"merged": True, "rank": settings.stage2.lora_rank, "alpha": settings.stage2.lora_alpha,
              "target_modules": list(settings.stage2.target_modules)}
@@ -504,7 +526,7 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
             else None
         ),
         "train": train_info,
-        "settings": settings.to_dict(),
+        "settings": shareable_settings(settings.to_dict()),
         "metrics": metrics or {},
     }
     try:
@@ -518,6 +540,25 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
             "free disk space or choose another --out, then re-run `wide export`; any previous export there is "
             "untouched",
         ) from e
+
+
+def shareable(value: str | None) -> str | None:
+    """``value`` as an export may record it: a local file or directory (or any absolute path)
+    becomes its name, so a shared export names no path of the machine that built it; aliases,
+    hub ids and ``builtin:`` sources stay as they are."""
+    if not value:
+        return value
+    p = Path(value).expanduser()
+    return p.name if p.is_absolute() or p.exists() else value
+
+
+def shareable_settings(d: dict) -> dict:
+    """``Settings.to_dict()`` with the model and data paths passed through ``shareable``."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    for section, key in (("model", "name"), ("data", "train"), ("data", "eval")):
+        if key in out.get(section, {}):
+            out[section][key] = shareable(out[section][key])
+    return out
 
 
 def _write_failure(e: Exception) -> str | None:

@@ -8,9 +8,10 @@ from dataclasses import asdict, dataclass
 from wide_cli.errors import ConfigError
 from wide_cli.models.arch import ModelShape
 
-METHODS = ("wide", "dynamic-depth", "static-width", "dense")
-#: What ``cost_target`` is a fraction of: dense per-token FLOPs or decode weight bytes read.
-COST_METRICS = ("flops", "decode-bytes")
+METHODS = ("wide", "dynamic-depth", "static-width", "static-depth", "dense")
+#: What ``cost_target`` is a fraction of: dense per-token FLOPs or decode weight bytes read
+#: (``wide_cli.cost.METRICS``).
+COST_METRICS = ("flops", "decode_bytes")
 #: What a skipped group contributes: nothing, or a fixed stand-in (its calibration-mean output),
 #: or the same stand-in trained with the routers.
 STANDINS = ("none", "mean", "trained")
@@ -23,8 +24,11 @@ class RoutingConfig:
     Attributes:
         method: ``wide`` (token-level head/channel groups), ``dynamic-depth`` (token-level
             skip of a whole block: one group spanning the full width), ``static-width``
-            (input-independent group removal) or ``dense`` (no routing).
-        attn_group_size: query heads per attention group; must divide H.
+            (input-independent group removal), ``static-depth`` (whole decoder layers removed by
+            Block Influence, ShortGPT; the export is a plain smaller model) or ``dense``.
+        attn_group_size: query heads per attention group; must divide H. None (the default)
+            means the model's heads per KV head (one group per KV head), which divides H in
+            every GQA/MHA model and lets decode skip a KV head's cache reads.
         ffn_group_size: intermediate channels per FFN group; must divide F.
         router_rank: bottleneck width r of each router MLP.
         sparsity: shared target fraction of skipped (token, group) decisions, in [0, 1).
@@ -35,7 +39,7 @@ class RoutingConfig:
         tau_start / tau_end: Gumbel-softmax temperature, annealed linearly over optimizer steps.
         cost_target: the per-token cost to reach, a fraction of dense in (0, 1), as
             ``cost_metric`` measures it (``wide_cli.cost``): ``flops`` (dense per-token FLOPs) or
-            ``decode-bytes`` (weight bytes a batch-1 decode step reads). When set, the sparsity
+            ``decode_bytes`` (weight bytes a batch-1 decode step reads). When set, the sparsity
             loss drives the cost-weighted skip fraction to ``1 - cost_target`` and replaces the
             ``sparsity`` targets (which stay the paper's unweighted group fraction).
         sparsity_warmup: fraction of the training steps over which the sparsity target ramps
@@ -43,10 +47,11 @@ class RoutingConfig:
         standin: what a skipped group contributes: ``none`` (zero, the paper), ``mean`` (its
             calibration-mean output, a bias vector per group; FLAP / Informed Routing), or
             ``trained`` (that vector, trained with the routers).
+            For static-depth, the cost layer removal reaches (None = 0.75).
     """
 
     method: str = "wide"
-    attn_group_size: int = 3
+    attn_group_size: int | None = None
     ffn_group_size: int = 128
     router_rank: int = 32
     sparsity: float = 0.5
@@ -76,7 +81,7 @@ class RoutingConfig:
             )
         if self.router_rank < 1:
             raise ConfigError(f"router-rank {self.router_rank} must be >= 1")
-        if self.attn_group_size < 1 or self.ffn_group_size < 1:
+        if (self.attn_group_size is not None and self.attn_group_size < 1) or self.ffn_group_size < 1:
             raise ConfigError(
                 f"group sizes must be >= 1 (got attn {self.attn_group_size}, ffn {self.ffn_group_size})"
             )
@@ -151,7 +156,8 @@ class GroupLayout:
 
 
 def resolve_groups(cfg: RoutingConfig, shape: ModelShape, *, warn: bool = True) -> GroupLayout:
-    """Check group sizes against the model and return the layout.
+    """Check group sizes against the model and return the layout (an unset attention group size
+    becomes the model's heads per KV head).
 
     Raises:
         ConfigError: a group size that does not divide its axis, naming both numbers, e.g.
@@ -160,7 +166,7 @@ def resolve_groups(cfg: RoutingConfig, shape: ModelShape, *, warn: bool = True) 
     if cfg.method == "dynamic-depth":
         a, f = shape.num_heads, shape.intermediate_size
     else:
-        a, f = cfg.attn_group_size, cfg.ffn_group_size
+        a, f = cfg.attn_group_size or shape.heads_per_kv, cfg.ffn_group_size
     if shape.num_heads % a:
         divs = [k for k in range(1, shape.num_heads + 1) if shape.num_heads % k == 0]
         raise ConfigError(

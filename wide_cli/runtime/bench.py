@@ -169,16 +169,16 @@ class BenchReport:
 
 
 def decode_cost(weights: ModelWeights):
-    """The ``decode-bytes`` cost model (``wide_cli.cost``) of a model held as runtime weights."""
+    """The ``decode_bytes`` cost model (``wide_cli.cost``) of a model held as runtime weights."""
     from wide_cli.cost import cost_model, shape_of_layers
 
     shape = shape_of_layers(weights.layers, weights.embed.shape[0], weights.embed.shape[1])
-    return cost_model(shape, metric="decode-bytes")
+    return cost_model(shape, metric="decode_bytes")
 
 
 def weight_bytes(weights: ModelWeights, itemsize: int) -> dict:
     """Dense weight bytes read per decode token, split by what routing can skip
-    (``wide_cli.cost``, ``decode-bytes``): ``{attention_routed, ffn_routed, dense}``."""
+    (``wide_cli.cost``, ``decode_bytes``): ``{attention_routed, ffn_routed, dense}``."""
     cm = decode_cost(weights)
     L = cm.num_layers
     return {"attention_routed": L * cm.module_cost("attention") * itemsize,

@@ -124,6 +124,12 @@ def train_stage2(settings: Settings, run, *, resume: bool = False, progress: boo
     info = distributed.dist_info()
     loaded = stages.load_backbone(settings)
     settings = dataclasses.replace(settings, stage2=dataclasses.replace(settings.stage2, enabled=True))
+    if settings.routing.method == "static-depth":  # healing of the layer-pruned model, no routers
+        from wide_cli.pipeline import static_depth
+
+        res = static_depth.heal_run(settings, run, loaded=loaded, resume=resume, progress=progress)
+        record_run(run, settings.to_dict(), model_identity(loaded), resume=True)
+        return res
     s1 = dataclasses.replace(settings, stage2=dataclasses.replace(settings.stage2, enabled=False))
     _, model = stages.routed_model_from_run(s1, run, loaded=loaded)
     for p in model.parameters():

@@ -55,6 +55,7 @@ def eval_cmd(
     out: ReportOutOpt = None,
     cache_dir: Annotated[Path | None, typer.Option(
         "--cache-dir", help="Reuse each model's results from DIR when model, data, settings and code match; store new ones there.")] = None,
+    trust_remote_code: o.TrustRemoteCodeOpt = False,
     json_out: o.JsonOpt = False,
 ):
     """Evaluate models: WikiText-2 perplexity (token-level and lm-eval word-level), zero-shot
@@ -71,8 +72,25 @@ def eval_cmd(
         from wide_cli.errors import ConfigError
 
         raise ConfigError("no TARGET given", "pass models/exports to compare, or --run-dir RUN for a run's eval stage")
+    from wide_cli.eval import progress
+
     task_list = list(run.DEFAULT_TASKS) if tasks is None else [t.strip() for t in tasks.split(",") if t.strip()]
-    report = run.evaluate_targets(
+    with progress.enabled(render.err):
+        report = _evaluate(run, targets, task_list, data_dir, limit, seq_len, stride, batch_size, dtype, device,
+                           eval_data, out, cache_dir, trust_remote_code=trust_remote_code)
+    render.err.print(render_table(report))
+    if out is not None:
+        render.log(f"report written to {out / 'report.json'} and {out / 'report.md'}")
+    else:
+        render.log("pass --out DIR to write report.json, report.md and the sparsity plots")
+    if json_out:
+        render.emit_json(report)
+
+
+def _evaluate(run, targets, task_list, data_dir, limit, seq_len, stride, batch_size, dtype, device, eval_data, out,
+              cache_dir, *, trust_remote_code: bool = False) -> dict:
+    """``evaluate_targets`` with the command's defaults filled in."""
+    return run.evaluate_targets(
         targets,
         tasks=task_list,
         data_dir=data_dir if data_dir is not None else default_data_dir(),
@@ -85,14 +103,8 @@ def eval_cmd(
         eval_data=eval_data,
         out_dir=out,
         cache_dir=cache_dir,
+        trust_remote_code=trust_remote_code,
     )
-    render.err.print(render_table(report))
-    if out is not None:
-        render.log(f"report written to {out / 'report.json'} and {out / 'report.md'}")
-    else:
-        render.log("pass --out DIR to write report.json, report.md and the sparsity plots")
-    if json_out:
-        render.emit_json(report)
 
 
 def _eval_run(run_dir: Path, json_out: bool) -> None:

@@ -1,24 +1,28 @@
-"""`wide generate EXPORT --prompt ...`: stream tokens from an export through the runtime.
+"""`wide generate MODEL... --prompt ...`: stream tokens from an export (or a dense model) through
+the runtime.
 
-Text goes to stdout, statistics (tokens/s, measured sparsity) to stderr; ``--json`` prints one
-JSON object instead.
+MODEL is an export directory or a model spec (``smollm2-135m``, a local Hugging Face directory,
+a ``.gguf``), which runs dense. Text goes to stdout, statistics (tokens/s, measured sparsity) to
+stderr; ``--json`` prints one JSON object instead. With several MODELs every prompt is generated
+by each of them and the continuations are printed side by side (``--json``: ``{"models": [...]}``).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from wide_cli.cli import options as o
 
-ExportArg = Annotated[Path, typer.Argument(help="Export directory (written by `wide export`).")]
+ModelsArg = Annotated[list[str], typer.Argument(
+    help="Export directory (written by `wide export`) or dense model spec (smollm2-135m, local HF dir, .gguf); "
+         "several: side by side.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="Runtime backend: cpu | reference | cupy.")]
 
 
 def generate_cmd(
-    export: ExportArg,
+    models: ModelsArg,
     prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="Prompt text; repeat for a batch.")],
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Upper bound of new tokens per prompt.")] = 64,
     backend: BackendOpt = "cpu",
@@ -33,8 +37,9 @@ def generate_cmd(
     threads: Annotated[int | None, typer.Option("--threads", help="Torch CPU threads.")] = None,
     json_out: o.JsonOpt = False,
 ):
-    """Generate text from EXPORT with the runtime, streaming tokens; prints tokens/s and the
-    measured sparsity of the run."""
+    """Generate text from MODEL (an export, or a dense model spec) with the runtime, streaming
+    tokens; prints tokens/s and the measured sparsity of the run. Several MODELs: the same prompts
+    through each, continuations side by side."""
     import sys
 
     import torch
@@ -48,13 +53,13 @@ def generate_cmd(
     if threads is not None:
         torch.set_num_threads(threads)
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
-    rt = Runtime.from_export(export, backend=backend, dtype=dtype, routing=not no_routing)
-    prompts = list(prompt)
-    if chat:
-        prompts = [
-            rt.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-            for p in prompts
-        ]
+    if len(models) > 1:
+        return _side_by_side(models, list(prompt), max_new_tokens=max_new_tokens, backend=backend, sampling=sampling,
+                             stop=tuple(stop or ()), chat=chat, ignore_eos=ignore_eos, no_routing=no_routing,
+                             dtype=dtype, json_out=json_out)
+    export = models[0]
+    rt = Runtime.from_target(export, backend=backend, dtype=dtype, routing=not no_routing)
+    prompts = _prompts_for(rt, list(prompt), chat)
     stream = not json_out and len(prompts) == 1
 
     def on_text(row: int, delta: str) -> None:
@@ -86,3 +91,62 @@ def generate_cmd(
         highlight=False,
         soft_wrap=True,
     )
+
+
+def _prompts_for(rt, prompts: list[str], chat: bool) -> list:
+    """The prompts as the model sees them: text, or with ``chat`` the token ids of the
+    tokenizer's chat template (ids straight from the template: rendering it to text and
+    tokenizing again adds a second BOS)."""
+    if not chat:
+        return prompts
+    return [chat_ids(rt.tokenizer, p) for p in prompts]
+
+
+def _side_by_side(models: list[str], prompts: list[str], *, max_new_tokens: int, backend: str, sampling, stop,
+                  chat: bool, ignore_eos: bool, no_routing: bool, dtype, json_out: bool) -> None:
+    """Every prompt through every model (one at a time, same sampling), one table: a row per
+    prompt, a column per model."""
+    from rich.table import Table
+
+    from wide_cli.cli import render
+    from wide_cli.runtime.engine import Runtime
+
+    docs = []
+    for m in models:
+        rt = Runtime.from_target(m, backend=backend, dtype=dtype, routing=not no_routing)
+        res = rt.generate(_prompts_for(rt, prompts, chat), max_new_tokens=max_new_tokens, sampling=sampling,
+                          stop=stop, ignore_eos=ignore_eos)
+        docs.append({"model": str(m), "backend": rt.backend.name, "routing": rt.routing,
+                     "dtype": str(rt.dtype).removeprefix("torch."), **res.to_dict()})
+        del rt
+    if json_out:
+        render.emit_json({"prompts": prompts, "chat": chat, "models": docs})
+        return
+    t = Table(expand=True, title=f"wide generate: {'greedy' if sampling.temperature == 0 else 'sampled'}, "
+                    f"{max_new_tokens} new tokens{', chat template' if chat else ''}", show_lines=True)
+    t.add_column("prompt", ratio=1)
+    for d in docs:
+        t.add_column(d["model"], ratio=2)
+    for i, p in enumerate(prompts):
+        t.add_row(p, *[" ".join(d["texts"][i].split()) for d in docs])
+    from rich.console import Console
+
+    Console(width=max(render.err.width if render.err.is_terminal else 160, 100)).print(t)
+
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as one user turn of the tokenizer's chat template, with the
+    generation prompt: exactly ``apply_chat_template(..., tokenize=True)``.
+
+    Raises:
+        ConfigError: the tokenizer has no chat template.
+    """
+    from wide_cli.errors import ConfigError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("--chat: the export's tokenizer has no chat template", "drop --chat and write the prompt as text")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
+    if hasattr(ids, "keys"):  # a BatchEncoding in some transformers versions
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]

@@ -44,6 +44,8 @@ def calibrate_cmd(
     heldout_fraction: o.HeldoutFraction = None,
     max_train_tokens: o.MaxTrainTokens = None,
     method: o.Method = None,
+    cost_target: o.CostTarget = None,
+    cost_metric: o.CostMetric = None,
     sparsity: o.Sparsity = None,
     attn_group_size: o.AttnGroup = None,
     ffn_group_size: o.FfnGroup = None,
@@ -68,9 +70,10 @@ def calibrate_cmd(
         res = stages.calibrate(settings, run, resume=resume)
     out = {"run_dir": str(run.root), "train_sequences": res.train_sequences,
            "heldout_sequences": res.heldout_sequences, "tokens": res.tokens,
-           "statistics": str(res.statistics), "seconds": round(res.seconds, 1)}
+           "statistics": str(res.statistics) if res.statistics.is_file() else None, "seconds": round(res.seconds, 1)}
     render.log(f"calibrated: {res.train_sequences} train / {res.heldout_sequences} held-out sequences, "
-               f"statistics in {res.statistics}")
+               + (f"statistics in {res.statistics}" if out["statistics"] else
+                  "no group statistics (static-depth ranks layers by Block Influence in `wide train`)"))
     if json_out:
         render.emit_json(out)
 

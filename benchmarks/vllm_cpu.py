@@ -1,0 +1,195 @@
+"""The vLLM CPU acceptance run: greedy parity with `wide generate`, throughput under concurrency.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vllm_cpu.py EXPORT --dense-model DIR \\
+        --prompts ../shared/data/wikitext-2-raw/wiki.test.raw --out docs/results/vllm-cpu
+
+1. Parity: the first 16 prose lines of the prompts file (cut to 24 words), 64 greedy tokens each
+   (EOS ignored): `wide generate EXPORT --backend reference --json` vs vLLM's offline ``LLM``
+   with the plugin on the same token ids (``wide_cli.serve.offline``, which also reports the
+   multiply-adds the routed ops executed).
+2. Throughput: one `wide serve` server per system -- the routed export, the export with every
+   group on (``--all-on``), and the dense base model on vLLM's own ``LlamaForCausalLM`` -- and
+   the same 16 requests x 64 tokens at 1, 4 and 16 concurrent requests against each; output
+   tokens / wall seconds. Systems are measured one after another in the same run.
+
+Writes ``OUT.json`` and ``OUT.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+N_PROMPTS, NEW_TOKENS, WORDS = 16, 64, 24
+CONCURRENCY = (1, 4, 16)
+
+
+def prompts_from(path: Path) -> list[str]:
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        s = line.strip()
+        if len(s.split()) >= WORDS and not s.startswith("="):
+            out.append(" ".join(s.split()[:WORDS]))
+        if len(out) == N_PROMPTS:
+            return out
+    raise SystemExit(f"{path}: fewer than {N_PROMPTS} lines of {WORDS}+ words")
+
+
+def wide_generate(export: Path, prompts: list[str], *extra: str) -> dict:
+    cmd = [str(REPO / ".venv/bin/wide"), "generate", str(export), "--backend", "reference", "--json",
+           "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--dtype", "fp32", *extra]  # fmt: skip
+    for p in prompts:
+        cmd += ["-p", p]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(r.stdout)
+
+
+def vllm_offline(python: str, export: Path, ids: list[list[int]], work: Path) -> dict:
+    req = {"export": str(export), "prompts": ids, "max_tokens": NEW_TOKENS, "dtype": "float32",
+           "max_model_len": 512, "modes": ["routed", "all-on"]}  # fmt: skip
+    (work / "req.json").write_text(json.dumps(req))
+    with open(work / "offline.log", "w") as log:
+        subprocess.run([python, "-m", "wide_cli.serve.offline", str(work / "req.json"), str(work / "out.json")],
+                       check=True, stdout=subprocess.DEVNULL, stderr=log)  # fmt: skip
+    return json.loads((work / "out.json").read_text())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def throughput(cmd: list[str], env: dict, base: str, prompts: list[str], log: Path) -> list[dict]:
+    """Start a server (the same process handling as `wide serve`), run every concurrency, stop it."""
+    from wide_cli.serve.server import start, stop
+
+    with open(log, "w") as lf:
+        p = start(cmd, env, base, log=lf)
+    try:
+        url = base + "/v1"
+        model = _post_models(url)
+        body = {"model": model, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        _post(url + "/completions", {**body, "prompt": prompts[0], "max_tokens": 4})  # warm-up
+        rows = []
+        for c in CONCURRENCY:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                outs = list(pool.map(lambda q: _post(url + "/completions", {**body, "prompt": q}), prompts))
+            dt = time.perf_counter() - t0
+            toks = sum(o["usage"]["completion_tokens"] for o in outs)
+            rows.append({"concurrency": c, "requests": len(prompts), "output_tokens": toks, "seconds": round(dt, 3),
+                         "output_tokens_per_s": round(toks / dt, 2)})  # fmt: skip
+            print(f"  concurrency {c}: {toks} tokens in {dt:.1f} s = {toks / dt:.1f} tok/s", file=sys.stderr)
+        return rows
+    finally:
+        stop(p)
+
+
+def _post_models(url: str) -> str:
+    with urllib.request.urlopen(url + "/models", timeout=60) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+def macs_share(stats: dict, cfg: dict) -> dict:
+    """Executed / dense multiply-adds: of the routed projections (O, gate/up/down), and of all
+    decoder-layer projections (Q/K/V stay dense)."""
+    H, D = cfg["num_attention_heads"], cfg["hidden_size"]
+    d = cfg.get("head_dim") or D // H
+    Hkv = cfg.get("num_key_value_heads") or H
+    a, f = stats["attention"], stats["ffn"]
+    qkv = a["dense"] / (H * d * D) * D * (H + 2 * Hkv) * d  # tokens x layers x qkv MACs
+    return {
+        "o_proj": round(a["executed"] / a["dense"], 4),
+        "ffn": round(f["executed"] / f["dense"], 4),
+        "routed_projections": round((a["executed"] + f["executed"]) / (a["dense"] + f["dense"]), 4),
+        "all_decoder_projections": round((qkv + a["executed"] + f["executed"]) / (qkv + a["dense"] + f["dense"]), 4),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("export", type=Path)
+    ap.add_argument("--dense-model", type=Path, required=True, help="the base model directory (Hugging Face)")
+    ap.add_argument("--prompts", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True, help="output path without extension")
+    ap.add_argument("--work", type=Path, default=Path("runs/vllm-cpu-bench"))
+    args = ap.parse_args()
+    python = os.environ.get("WIDE_SERVE_PYTHON", str(REPO / ".venv-serve/bin/python"))
+    args.work.mkdir(parents=True, exist_ok=True)
+    prompts = prompts_from(args.prompts)
+
+    print("parity: wide generate --backend reference ...", file=sys.stderr)
+    ref = wide_generate(args.export, prompts)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(args.export))
+    ids = [list(tok(p).input_ids) for p in prompts]
+    print("parity: vLLM offline (routed, all-on) ...", file=sys.stderr)
+    off = vllm_offline(python, args.export, ids, args.work)
+    routed = off["runs"]["routed"]["tokens"]
+    per_prompt = [a == b for a, b in zip(ref["tokens"], routed)]
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(ref["tokens"], routed)]
+    cfg = json.loads((args.export / "config.json").read_text())
+    share = macs_share(off["runs"]["routed"]["stats"], cfg)
+
+    from wide_cli.serve.config import serve_plan
+    from wide_cli.serve.server import ServeOptions, server_command, server_env
+
+    opts = {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 2}
+    systems = []
+    for name, skips, mode in (("wide routed (plugin, forward_cpu)", True, "routed"),
+                              ("wide, every group on (plugin, --all-on)", False, "all-on")):  # fmt: skip
+        o = ServeOptions(port=_free_port(), **opts)
+        systems.append((name, skips, server_command(Path(python), serve_plan(args.export, mode=mode), o), o))
+    o = ServeOptions(port=_free_port(), **opts)
+    dense_cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.dense_model),
+                 "--host", o.host, "--port", str(o.port), "--dtype", o.dtype, "--max-model-len", str(o.max_model_len)]
+    systems.append(("dense base model (vLLM's own LlamaForCausalLM)", False, dense_cmd, o))  # fmt: skip
+    rows = []
+    for i, (name, skips, cmd, o) in enumerate(systems):
+        print(f"throughput: {name} ...", file=sys.stderr)
+        base = f"http://{o.host}:{o.port}"
+        for r in throughput(cmd, server_env(o), base, prompts, args.work / f"server-{i}.log"):
+            rows.append({"system": name, "skips_work": skips, **r})
+
+    result = {
+        "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vllm_cpu.py " + " ".join(sys.argv[1:]),
+        "export": str(args.export),
+        "dense_model": str(args.dense_model),
+        "vllm": "vllm-cpu 0.32.0, torch 2.13.0+cpu, dtype float32, torch.compile (vLLM's CPU default)",
+        "machine": f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), shared with other jobs",
+        "greedy_parity": all(per_prompt),
+        "parity": {"prompts": len(prompts), "new_tokens": NEW_TOKENS, "matched": sum(per_prompt),
+                   "first_mismatch_position": first_diff, "reference": "wide generate --backend reference (fp32)",
+                   "all_on_equals_reference_no_routing": None},
+        "routed_op_path": off["path"],
+        "dense_multiply_add_share": share,
+        "rows": rows,
+    }
+    ref_dense = wide_generate(args.export, prompts, "--no-routing")
+    result["parity"]["all_on_equals_reference_no_routing"] = ref_dense["tokens"] == off["runs"]["all-on"]["tokens"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Tiny exports for the serving tests, shaped for vLLM's CPU attention (head_dim 32) and routed
+like the demo (one attention group per KV head: 3 query heads; FFN groups of 128 channels)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+# head_dim 32 (the CPU attention kernel's smallest), H = 6 over H_kv = 2, F = 512 = 4 x 128.
+SHAPE = {"hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 512}
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+
+
+def build_export(path, kind: str = "llama", *, export_format: str = "wide", method: str = "wide", seed: int = 0):
+    """Export a tiny seeded routed ``kind`` model (random routers: about half the groups skip)
+    with a character tokenizer that has a chat template. Returns ``path``."""
+    from wide_cli.export import export_model
+    from wide_cli.models.tiny import char_tokenizer, tiny_model
+    from wide_cli.routing import RoutingConfig, attach_routers
+
+    model = tiny_model(kind, seed=seed, max_position_embeddings=256, **SHAPE)
+    torch.manual_seed(seed + 1000)
+    cfg = RoutingConfig(method=method, attn_group_size=3, ffn_group_size=128, router_rank=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = attach_routers(model, cfg)
+    state.set_mode("argmax")
+    tok = char_tokenizer(with_pad=False)
+    tok.chat_template = CHAT_TEMPLATE
+    lay = state.layout
+    wc = {
+        "method": method,
+        "routing": cfg.to_dict(),
+        "layout": {"attn_group_size": lay.attn_group_size, "ffn_group_size": lay.ffn_group_size,
+                   "attn_groups": lay.attn_groups, "ffn_groups": lay.ffn_groups},
+        "measured_sparsity": {},
+        "source_model": {"spec": f"tiny-{kind}"},
+    }  # fmt: skip
+    export_model(model, tok, path, wide_config=wc, export_format=export_format)
+    return path
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("WIDE_SERVE_TESTS", "") in ("", "0"):
+        skip = pytest.mark.skip(reason="vLLM serving test: run `make test-serving` (builds .venv-serve)")
+        for item in items:
+            if item.get_closest_marker("serving") is not None:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def export_factory(tmp_path_factory):
+    made = {}
+
+    def get(kind: str = "llama", export_format: str = "wide", method: str = "wide"):
+        key = (kind, export_format, method)
+        if key not in made:
+            made[key] = build_export(tmp_path_factory.mktemp("serve") / f"{kind}-{export_format}-{method}", kind,
+                                     export_format=export_format, method=method)  # fmt: skip
+        return made[key]
+
+    return get

@@ -1,0 +1,229 @@
+"""`wide serve` without vLLM: what an export tells the plugin, the tensor-parallel refusal, bad
+input (one line, non-zero exit), and that no server process outlives `wide serve` (a stand-in
+server that answers /health like vLLM's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from wide_cli.errors import CheckpointError, ConfigError, ModelSourceError
+from wide_cli.serve.config import check_tensor_parallel, serve_plan
+
+WIDE = [sys.executable, "-m", "wide_cli"]
+
+
+def _wide(args, env=None, timeout=120):
+    return subprocess.run(WIDE + list(map(str, args)), capture_output=True, text=True, timeout=timeout, check=False,
+                          env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def _error_line(r) -> str:
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines and lines[-1].startswith("error: "), r.stderr
+    return lines[-1]
+
+
+# --------------------------------------------------------------------------------------- plans
+
+
+def test_plan_wide_format_overrides_architecture_and_routing(export_factory):
+    path = export_factory("qwen3")
+    plan = serve_plan(path)
+    wc = json.loads((path / "wide_config.json").read_text())
+    assert plan.architecture == "WideQwen3ForCausalLM" and plan.export_format == "wide"
+    assert plan.overrides == {
+        "architectures": ["WideQwen3ForCausalLM"],
+        "wide_routing": {"routing": wc["routing"], "layout": wc["layout"], "serve_mode": "routed"},
+    }
+    assert not plan.trust_remote_code
+    # the export's own config.json stays the base model's (transformers loads it as Qwen3)
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert serve_plan(path, mode="all-on").overrides["wide_routing"]["serve_mode"] == "all-on"
+
+
+def test_plan_hf_format_is_served_as_written(export_factory):
+    path = export_factory("llama", "hf")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["WideLlamaForCausalLM"] and "wide_routing" in cfg
+    plan = serve_plan(path)
+    assert plan.overrides == {} and plan.trust_remote_code and plan.architecture == "WideLlamaForCausalLM"
+    assert serve_plan(path, mode="all-on").overrides == {"wide_routing": {**cfg["wide_routing"], "serve_mode": "all-on"}}
+
+
+def test_plan_refuses_non_exports_and_unsupported_architectures(tmp_path, export_factory):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        serve_plan(tmp_path / "nope")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="not a wide export"):
+        serve_plan(tmp_path / "plain")
+    import shutil
+
+    bad = tmp_path / "gpt2"
+    shutil.copytree(export_factory("llama"), bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelSourceError, match="'GPT2LMHeadModel' is not served by the wide vLLM plugin"):
+        serve_plan(bad)
+    with pytest.raises(ConfigError, match="unknown serve mode"):
+        serve_plan(export_factory("llama"), mode="sparse")
+
+
+# ------------------------------------------------------------------------------ tensor parallel
+
+
+SMOLLM2 = {"num_heads": 9, "num_kv_heads": 3, "intermediate_size": 1536, "attn_group_size": 3, "ffn_group_size": 128}
+
+
+def test_tensor_parallel_keeps_groups_on_one_shard():
+    check_tensor_parallel(**SMOLLM2, tp=1)
+    check_tensor_parallel(**SMOLLM2, tp=3)  # 3 heads (one group) and 512 = 4 x 128 channels per rank
+    with pytest.raises(ConfigError, match=r"9 query heads / tp 2 is not a multiple of the attention group size 3.*\[1, 3\]"):
+        check_tensor_parallel(**SMOLLM2, tp=2)
+    wide_ffn = {"num_heads": 64, "num_kv_heads": 8, "intermediate_size": 14336, "attn_group_size": 4, "ffn_group_size": 256}
+    check_tensor_parallel(**wide_ffn, tp=8)  # 1792 = 7 x 256 channels per rank
+    with pytest.raises(ConfigError, match="intermediate size 14336 / tp 16 is not a multiple of the FFN group size 256"):
+        check_tensor_parallel(**wide_ffn, tp=16)  # 896 channels: 3.5 groups
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def test_serve_bad_input_is_one_line(tmp_path, export_factory):
+    r = _wide(["serve", tmp_path / "missing"])
+    assert r.returncode == 2 and "is not a directory" in _error_line(r)
+    r = _wide(["serve", tmp_path])
+    assert r.returncode == 2 and "is not a wide export" in _error_line(r)
+    r = _wide(["serve", export_factory("llama")], env={"WIDE_SERVE_PYTHON": str(tmp_path / "no-python")})
+    line = _error_line(r)
+    assert r.returncode == 2 and "make serve-setup" in line and "no-python" in line
+    r = _wide(["serve", export_factory("llama"), "--tp", "4"], env={"WIDE_SERVE_PYTHON": sys.executable})
+    assert r.returncode == 2 and "tensor-parallel-size 4 would split a routed group" in _error_line(r)
+
+
+def test_serve_refuses_a_port_in_use(export_factory):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = _wide(["serve", export_factory("llama"), "--port", port], env={"WIDE_SERVE_PYTHON": sys.executable})
+    line = _error_line(r)
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in line and "--port" in line
+
+
+# ------------------------------------------------------------------- process handling (stand-in)
+
+FAKE_SERVER = r'''
+import http.server, os, sys, subprocess
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+pids = os.environ["FAKE_PIDS"]
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # like vLLM's engine core
+with open(pids, "w") as f:
+    f.write(f"{os.getpid()} {child.pid}")
+if os.environ.get("FAKE_HEALTHY") != "1":
+    import time; time.sleep(600)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def _fake_python(tmp_path: Path) -> Path:
+    """An executable standing in for the serving venv's python: runs FAKE_SERVER whatever the
+    module arguments say."""
+    (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
+    exe = tmp_path / "python"
+    exe.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {tmp_path / "fake_server.py"} "$@"\n')
+    exe.chmod(0o755)
+    return exe
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for our purposes
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_gone(pids, timeout=20.0) -> bool:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_start_up_that_never_gets_ready_leaves_nothing_running(tmp_path, export_factory):
+    pids = tmp_path / "pids"
+    env = {"WIDE_SERVE_PYTHON": str(_fake_python(tmp_path)), "FAKE_PIDS": str(pids)}
+    r = _wide(["serve", export_factory("llama"), "--port", _free_port(), "--startup-timeout", "3"], env=env)
+    assert r.returncode == 1 and "was not ready after 3 s" in _error_line(r)
+    assert _wait_gone(map(int, pids.read_text().split()))
+
+
+def test_ctrl_c_prints_nothing_more_and_stops_the_server_group(tmp_path, export_factory):
+    pids = tmp_path / "pids"
+    port = _free_port()
+    env = {**os.environ, "WIDE_SERVE_PYTHON": str(_fake_python(tmp_path)), "FAKE_PIDS": str(pids), "FAKE_HEALTHY": "1"}
+    p = subprocess.Popen(WIDE + ["serve", str(export_factory("llama")), "--port", str(port), "--served-model-name", "tiny"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        url = p.stdout.readline().strip()  # printed once /health answers
+        assert url == f"http://127.0.0.1:{port}/v1"
+        server_pids = list(map(int, pids.read_text().split()))
+        assert all(_alive(q) for q in server_pids)
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 130
+        assert _wait_gone(server_pids)
+        err = p.stderr.read()
+        assert "as model 'tiny'" in err and err.strip().splitlines()[-1] == "error: interrupted"
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_json_prints_one_object_and_sigterm_stops_the_server_group(tmp_path, export_factory):
+    pids = tmp_path / "pids"
+    port = _free_port()
+    env = {**os.environ, "WIDE_SERVE_PYTHON": str(_fake_python(tmp_path)), "FAKE_PIDS": str(pids), "FAKE_HEALTHY": "1"}
+    export = export_factory("llama")
+    p = subprocess.Popen(WIDE + ["serve", str(export), "--port", str(port), "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        info = json.loads(p.stdout.readline())
+        assert info == {"url": f"http://127.0.0.1:{port}/v1", "model": export.name, "export": str(export),
+                        "architecture": "WideLlamaForCausalLM", "routing": True}  # fmt: skip
+        server_pids = list(map(int, pids.read_text().split()))
+        p.terminate()
+        assert p.wait(timeout=60) == 130
+        assert _wait_gone(server_pids)
+        assert p.stdout.read() == ""
+    finally:
+        if p.poll() is None:
+            p.kill()

@@ -1,0 +1,179 @@
+"""The plugin inside vLLM (CPU build, serving venv): greedy tokens equal the runtime's reference
+backend, routed and with every group on (= the dense model); the OpenAI server answers
+concurrent requests like sequential ones, and survives bad requests.
+
+Each test module starts vLLM as few times as it can: one offline engine per architecture (routed,
+then all groups on, in the same engine) and one server for every HTTP test. Skipped by `make test`;
+`make test-serving` runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytestmark = pytest.mark.serving
+
+PROMPTS = [[10, 20, 30], [5, 6, 7, 8, 9, 11, 12, 13, 14], list(range(40, 57)), [(7 * i) % 100 + 5 for i in range(40)]]
+MAX_TOKENS = 16
+STARTUP_S = 900
+
+
+def _serve_python() -> str:
+    py = os.environ.get("WIDE_SERVE_PYTHON")
+    assert py and os.path.isfile(py), "WIDE_SERVE_PYTHON must point at the serving venv's python (make test-serving)"
+    return py
+
+
+def _reference(export, routing: bool) -> list[list[int]]:
+    """`wide generate --backend reference` on token-id prompts (greedy, EOS ignored)."""
+    from wide_cli.runtime.engine import Runtime
+
+    rt = Runtime.from_export(export, backend="reference", dtype="fp32", routing=routing)
+    return rt.generate(PROMPTS, max_new_tokens=MAX_TOKENS, ignore_eos=True).tokens
+
+
+# ------------------------------------------------------------------------------------- offline
+
+
+@pytest.fixture(scope="module")
+def offline(export_factory, tmp_path_factory):
+    """``kind -> (export, result)``: one vLLM engine per architecture, both modes."""
+    done = {}
+
+    def run(kind: str):
+        if kind not in done:
+            export = export_factory(kind)
+            d = tmp_path_factory.mktemp(f"offline-{kind}")
+            req = {"export": str(export), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "dtype": "float32",
+                   "max_model_len": 128, "modes": ["routed", "all-on"]}  # fmt: skip
+            (d / "req.json").write_text(json.dumps(req))
+            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+            r = subprocess.run([_serve_python(), "-m", "wide_cli.serve.offline", str(d / "req.json"), str(d / "out.json")],
+                               capture_output=True, text=True, timeout=STARTUP_S, env=env, check=False)  # fmt: skip
+            assert r.returncode == 0, r.stderr[-4000:]
+            done[kind] = (export, json.loads((d / "out.json").read_text()))
+        return done[kind]
+
+    return run
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
+def test_offline_greedy_tokens_equal_the_reference(offline, kind):
+    export, res = offline(kind)
+    assert res["path"] == "forward_cpu"
+    routed, all_on = res["runs"]["routed"], res["runs"]["all-on"]
+    assert routed["tokens"] == _reference(export, routing=True)
+    assert all_on["tokens"] == _reference(export, routing=False)
+    assert routed["tokens"] != all_on["tokens"]  # the routers changed what was computed
+    # forward_cpu executed part of the routed projections when routing, all of them when not
+    for module in ("attention", "ffn"):
+        st = routed["stats"][module]
+        assert 0 < st["executed"] < st["dense"], (module, st)
+        assert all_on["stats"][module]["executed"] == all_on["stats"][module]["dense"] > 0
+
+
+# -------------------------------------------------------------------------------------- server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(export_factory):
+    """`wide serve` on an --format hf Qwen2 export (q/k/v bias, trust_remote_code), 127.0.0.1."""
+    export = export_factory("qwen2", "hf")
+    port = _free_port()
+    env = {**os.environ, "WIDE_SERVE_PYTHON": _serve_python()}
+    cmd = [sys.executable, "-m", "wide_cli", "serve", str(export), "--port", str(port), "--dtype", "float32",
+           "--max-model-len", "128", "--served-model-name", "tiny", "--kv-cache-gib", "1"]  # fmt: skip
+    log = open(export.parent / "server.log", "w")  # noqa: SIM115 -- open for the fixture's lifetime
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: lines.put(p.stdout.readline()), daemon=True).start()
+    try:
+        url = lines.get(timeout=STARTUP_S).strip()
+    except queue.Empty:
+        url = ""
+    try:
+        assert url == f"http://127.0.0.1:{port}/v1", (export.parent / "server.log").read_text()[-4000:]
+        yield url, export
+    finally:
+        p.terminate()  # SIGTERM: wide serve stops the whole server group
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+        log.close()
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+TEXTS = ["def f(x):", "Hello", "The cat", "0123456789", "import os", "a b c d e", "[1, 2, 3]", "Zebra!"]
+
+
+GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+
+def _completion(url: str, prompt: str) -> list[int]:
+    """Greedy completion: the generated token ids."""
+    code, r = _post(url + "/completions", {"model": "tiny", "prompt": prompt, **GREEDY})
+    assert code == 200, r
+    assert len(r["choices"][0]["token_ids"]) == MAX_TOKENS
+    return r["choices"][0]["token_ids"]
+
+
+def _chat(url: str, prompt: str) -> list[int]:
+    code, r = _post(url + "/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": prompt}], **GREEDY})
+    assert code == 200, r
+    assert len(r["choices"][0]["token_ids"]) == MAX_TOKENS and isinstance(r["choices"][0]["message"]["content"], str)
+    return r["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("endpoint", [_completion, _chat], ids=["completions", "chat"])
+def test_eight_concurrent_requests_equal_sequential_ones(server, endpoint):
+    url, _ = server
+    sequential = [endpoint(url, t) for t in TEXTS]
+    with ThreadPoolExecutor(8) as pool:
+        concurrent = list(pool.map(lambda t: endpoint(url, t), TEXTS))
+    assert concurrent == sequential
+    assert len({tuple(t) for t in sequential}) > 1
+
+
+def test_server_completion_equals_the_reference(server, export_factory):
+    from wide_cli.runtime.engine import Runtime
+
+    url, _ = server
+    # the runtime reads --format wide exports; this one has the same seeded weights and routers
+    rt = Runtime.from_export(export_factory("qwen2"), backend="reference", dtype="fp32")
+    ref = rt.generate(TEXTS[:2], max_new_tokens=MAX_TOKENS, ignore_eos=True)
+    assert [_completion(url, t) for t in TEXTS[:2]] == ref.tokens
+
+
+def test_bad_requests_get_vllms_error_and_the_server_keeps_serving(server):
+    url, _ = server
+    code, r = _post(url + "/completions", {"model": "tiny", "prompt": "x" * 300, "max_tokens": 4})
+    assert code == 400 and "128" in r["error"]["message"], r  # longer than --max-model-len
+    code, r = _post(url + "/completions", {"model": "nope", "prompt": "Hello", "max_tokens": 4})
+    assert code == 404 and "nope" in r["error"]["message"], r
+    assert _completion(url, "Hello") == _completion(url, "Hello")

