@@ -25,8 +25,6 @@ def prune_cmd(
     router_rank: o.RouterRank = None,
     tau_start: o.TauStart = None,
     tau_end: o.TauEnd = None,
-    cost_target: o.CostTarget = None,
-    cost_metric: o.CostMetric = None,
     sparsity_warmup: o.SparsityWarmup = None,
     standin: o.Standin = None,
     distill: o.Distill = None,
