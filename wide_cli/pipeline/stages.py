@@ -472,9 +472,10 @@ def measure_sparsity(model, sequences: torch.Tensor, *, batch_size: int = 4, max
 
 # ----------------------------------------------------------------------------- export
 def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: dict | None = None,
-           export_format: str = "wide"):
+           export_format: str = "wide", weight_format: str = "fp32"):
     """Write the deployable export of the run to ``out`` (atomic), with sparsity measured on
-    the held-out split; ``export_format`` is ``wide`` or ``hf`` (see ``export/writer.py``).
+    the held-out split; ``export_format`` is ``wide`` or ``hf``, ``weight_format`` ``fp32`` or
+    ``int8`` (see ``export/writer.py``).
     Returns the ExportResult.
 
     Raises:
@@ -530,7 +531,8 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
         "metrics": metrics or {},
     }
     try:
-        return export_model(model, loaded.tokenizer, Path(out), wide_config=wide_config, export_format=export_format)
+        return export_model(model, loaded.tokenizer, Path(out), wide_config=wide_config, export_format=export_format,
+                            weight_format=weight_format)
     except Exception as e:  # only failed writes are turned into a user error; the rest propagates
         reason = _write_failure(e)
         if reason is None:

@@ -138,6 +138,33 @@ class ModelWeights:
     max_positions: int | None = None
 
 
+class Counter:
+    """What a backend executed, counted while it runs (``wide bench``'s executed share, tests).
+
+    Attributes:
+        macs: multiply-adds of the weight GEMMs actually issued (a dense GEMM whose result is
+            masked afterwards counts in full), LM head included.
+        attn_macs: multiply-adds of attention scores and of the weighted sum of V, per head the
+            kernel computed (a dense pass that masks heads afterwards counts every head).
+        router_macs: multiply-adds of the routers (the engine counts them).
+        trace: None, or a list that receives ``(first_byte_address, nbytes)`` of every weight and
+            scale block a GEMM reads (tests check that skipped groups are never read).
+    """
+
+    def __init__(self):
+        self.macs = 0
+        self.attn_macs = 0
+        self.router_macs = 0
+        self.trace: list | None = None
+
+    def reset(self) -> None:
+        self.macs = self.attn_macs = self.router_macs = 0
+
+    @property
+    def total(self) -> int:
+        return self.macs + self.attn_macs + self.router_macs
+
+
 @runtime_checkable
 class Backend(Protocol):
     """What a backend implements. ``P`` below is whatever ``prepare_layer`` returned.
@@ -569,9 +596,14 @@ def read_safetensors(path) -> dict[str, torch.Tensor]:
 def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False) -> ModelWeights:
     """Read an export directory (``manifest.json`` verified first) into ``ModelWeights``.
 
+    An int8 export (``wide export --weights int8``) is dequantized here (exactly ``q * scale``)
+    and marked ``extra["weight_format"] = "int8"``; the cpu backend re-quantizes it to the same
+    int8 values.
+
     Raises:
         CheckpointError: see ``verify_manifest``, ``read_safetensors``, ``weights_from_tensors``;
-            also a missing ``routers.safetensors`` for a routed export (B30).
+            also a missing ``routers.safetensors`` for a routed export (B30), an int8 tensor
+            without (or with a mismatched) scale tensor.
     """
     import json
     from pathlib import Path
@@ -601,7 +633,9 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
         raise ConfigError(f"{path} is a physically narrowed static-width hf export, which the runtime does not run",
                           "run the `--format wide` export of the same run (`wide export --run-dir R`)")
     info = RoutingInfo.from_wide_config(wcfg)
-    tensors = read_safetensors(path)
+    from wide_cli.runtime.quant import dequantize_state_dict
+
+    tensors, quantized = dequantize_state_dict(read_safetensors(path), str(path / "model.safetensors"))
     check_config_matches(config, {k: tuple(v.shape) for k, v in tensors.items()}, config_file=path / "config.json",
                          weights_file="model.safetensors", error=CheckpointError)
     routers = {}
@@ -622,4 +656,7 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
             extra_eos = json.loads(gen.read_text()).get("eos_token_id")
         except ValueError:
             extra_eos = None
-    return weights_from_tensors(config, tensors, routers, info, allow_extra=allow_extra, extra_eos=extra_eos)
+    weights = weights_from_tensors(config, tensors, routers, info, allow_extra=allow_extra, extra_eos=extra_eos)
+    if quantized:
+        weights.extra["weight_format"] = "int8"
+    return weights

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from wide_cli.runtime.backend import (
     Backend,
+    Counter,
     LayerWeights,
     ModelWeights,
     get_backend,
@@ -234,49 +235,97 @@ class Runtime:
         dtype: torch.dtype | str | None = None,
         tokenizer=None,
         routing: bool = True,
+        weight_format: str | None = None,
     ):
         from wide_cli.models.loader import resolve_dtype
+        from wide_cli.runtime.quant import COMPUTE_DTYPE, check_format
 
-        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        fmt = weight_format or weights.extra.get("weight_format")
+        if fmt is not None:
+            fmt = check_format(fmt)
+            want = COMPUTE_DTYPE[fmt]
+            if dtype is not None and resolve_dtype(dtype) != want:
+                from wide_cli.errors import ConfigError
+
+                raise ConfigError(
+                    f"--weights {fmt} computes in {str(want).removeprefix('torch.')}, not {dtype}",
+                    "drop --dtype (the weight format sets it)",
+                )
+            dtype = want
+        if isinstance(backend, str):
+            backend = get_backend(backend)
+        self.backend = backend
         dev = self.backend.device
         self.device = dev
         self.dtype = resolve_dtype(dtype, dev)
+        if fmt is None:
+            fmt = "bf16" if self.dtype == torch.bfloat16 else "fp32"
+        self.weight_format = fmt
+        if hasattr(self.backend, "weights"):
+            self.backend.weights = fmt
+        elif fmt == "int8":
+            # Backends without int8 kernels run the same int8 weights dequantized (the oracle of
+            # the cpu backend's int8 kernels).
+            weights = fake_quantize(weights)
         self.tokenizer = tokenizer
         self.routing = routing
         self.forced: dict[tuple[int, str], torch.Tensor] = {}
         self.eps = weights.rms_eps
         self.eos_token_ids = tuple(weights.eos_token_ids)
         self.vocab_size = weights.embed.shape[0]
+        self.hidden_size = weights.embed.shape[1]
+        embed = weights.embed
+        if fmt == "int8":  # the embedding rows an int8 export stores (per-row int8), for lookups too
+            from wide_cli.runtime.quant import dequantize_int8, quantize_int8
+
+            embed = dequantize_int8(*quantize_int8(embed))
+        self.embed = embed.to(dev, self.dtype)
+        self.counter = getattr(self.backend, "counter", None) or Counter()
+        # The LM head in the backend's weight format when it has one (int8 on cpu), else dense.
+        self.head = None
         self.max_positions = weights.max_positions
-        self.embed = weights.embed.to(dev, self.dtype)
         self.lm_head = self.embed if weights.tied else weights.lm_head.to(dev, self.dtype)
+        if hasattr(self.backend, "prepare_head"):
+            # float formats keep sharing the tied embedding (the Proj holds the same tensor)
+            if fmt == "int8":  # quantized from the stored float values, not from their bf16 copy
+                self.head = self.backend.prepare_head(embed if weights.tied else weights.lm_head, self.dtype)
+                self.lm_head = None
+            else:
+                self.head = self.backend.prepare_head(self.lm_head, self.dtype)
         self.final_norm = weights.final_norm.to(dev, self.dtype)
         self.inv_freq = weights.inv_freq.to(dev, torch.float32)
         self.rope_scale = float(weights.rope_scale)
         self.meta = [self._meta(lw) for lw in weights.layers]
         self.layers = [self.backend.prepare_layer(lw, self.dtype) for lw in weights.layers]
         self.stats = SparsityStats(len(self.layers), dev)
+        self.layer_shapes = [(lw.num_heads, lw.num_kv_heads, lw.head_dim, lw.intermediate_size) for lw in weights.layers]
 
     # ------------------------------------------------------------------------------------------
     # construction
 
     @classmethod
     def from_export(cls, path, *, backend: Backend | str = "cpu", dtype=None, routing: bool = True,
-                    verify: bool = True, allow_extra: bool = False) -> Runtime:
+                    verify: bool = True, allow_extra: bool = False, weight_format: str | None = None) -> Runtime:
         """Load an export directory (manifest verified first, strict tensor names; B14, B30).
+
+        ``weight_format`` (``fp32``, ``bf16``, ``int8``) defaults to the export's stored format
+        (``fp32`` for a float export, unless ``dtype`` is bf16).
 
         Raises:
             CheckpointError: missing/corrupt files, missing or unexpected tensors (listed),
-                shapes that do not fit together, an untied model without ``lm_head.weight``.
+                shapes that do not fit together, an untied model without ``lm_head.weight``,
+                a quantized weight without its scale tensor (or with a mismatched one).
+            ConfigError: an unknown weight format, int8 for widths the kernel cannot take.
         """
         from wide_cli.models.loader import load_tokenizer
 
         weights = weights_from_export(Path(path), verify=verify, allow_extra=allow_extra)
         tok = load_tokenizer(path)
-        return cls(weights, backend, dtype=dtype, tokenizer=tok, routing=routing)
+        return cls(weights, backend, dtype=dtype, tokenizer=tok, routing=routing, weight_format=weight_format)
 
     @classmethod
-    def from_target(cls, target, *, backend: Backend | str = "cpu", dtype=None, routing: bool = True) -> Runtime:
+    def from_target(cls, target, *, backend: Backend | str = "cpu", dtype=None, routing: bool = True,
+                    weight_format: str | None = None) -> Runtime:
         """An export directory (``from_export``), or any model spec ``load_model`` accepts (alias
         such as ``smollm2-135m``, local Hugging Face directory, ``.gguf``), run dense.
 
@@ -286,24 +335,28 @@ class Runtime:
         from wide_cli.export import is_export
 
         if is_export(target):
-            return cls.from_export(target, backend=backend, dtype=dtype, routing=routing)
+            return cls.from_export(target, backend=backend, dtype=dtype, routing=routing, weight_format=weight_format)
         from wide_cli.models.loader import load_model
 
         lm = load_model(str(target), dtype=torch.float32)
-        return cls.from_model(lm.model, lm.tokenizer, backend=backend, dtype=dtype or torch.float32, routing=False)
+        if weight_format is None:
+            dtype = dtype or torch.float32
+        return cls.from_model(lm.model, lm.tokenizer, backend=backend, dtype=dtype, routing=False,
+                              weight_format=weight_format)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, *, backend: Backend | str = "cpu", dtype=None,
-                   routing: bool | None = None) -> Runtime:
+                   routing: bool | None = None, weight_format: str | None = None) -> Runtime:
         """Read an in-memory Hugging Face model (routed by ``attach_routers`` or plain).
 
         ``routing=None`` follows the model: routed unless it has no routers or its routing mode
         is ``dense``. The dtype defaults to the model's.
         """
         weights, routed = weights_from_model(model)
-        if dtype is None:
+        if dtype is None and weight_format is None:
             dtype = next(model.parameters()).dtype
-        return cls(weights, backend, dtype=dtype, tokenizer=tokenizer, routing=routed if routing is None else routing)
+        return cls(weights, backend, dtype=dtype, tokenizer=tokenizer, routing=routed if routing is None else routing,
+                   weight_format=weight_format)
 
     @classmethod
     def from_tensors(cls, config, tensors: dict, *, routers: dict | None = None, wide_config: dict | None = None,
@@ -377,6 +430,7 @@ class Runtime:
             # fp32 router, as trained: execute iff logit0 >= logit1. The router has no activation,
             # so logit0 - logit1 is one affine map of x, folded at load (see ``_fold_router``).
             w, b = m.routers[module]
+            self.counter.router_macs += B * T * w.numel()
             xf = x if x.dtype == torch.float32 else x.float()
             if B * T == 1:
                 ex = (torch.addmv(b, w, xf.view(-1)) >= 0).view(1, 1, G)
@@ -468,7 +522,11 @@ class Runtime:
             last = torch.where(last < 0, T - 1, last)
             x = x[torch.arange(B, device=self.device), last][:, None]  # [B, 1, D]
         x = rms_norm(x, self.final_norm, self.eps)
-        out = F.linear(x, self.lm_head).float()
+        if self.head is not None:
+            out = self.backend.head(self.head, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1).float()
+        else:
+            self.counter.macs += x.shape[0] * x.shape[1] * self.lm_head.numel()
+            out = F.linear(x, self.lm_head).float()
         return out[:, 0] if logits == "last" else out
 
     def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor | None, cache: KVCache, *,
@@ -625,6 +683,27 @@ def _add_standin(x: torch.Tensor, execute: torch.Tensor | None, standin: torch.T
     if standin is None or execute is None:
         return x
     return x + ((~execute).to(torch.float32) @ standin).to(x.dtype)
+
+
+def fake_quantize(weights: ModelWeights) -> ModelWeights:
+    """A copy of ``weights`` whose projections and LM head hold the values the int8 kernels use
+    (``dequantize(quantize(w))`` with the cpu backend's grouping: per row for Q/K/V, gate/up and
+    the LM head, per row and routed group for O and down; the embedding is handled by Runtime)."""
+    import dataclasses
+
+    from wide_cli.runtime.quant import dequantize_int8, quantize_int8
+
+    def fq(w, gk=None):
+        return dequantize_int8(*quantize_int8(w, gk))
+
+    layers = []
+    for lw in weights.layers:
+        cols = lw.attn_group_size * lw.head_dim
+        layers.append(dataclasses.replace(
+            lw, wq=fq(lw.wq), wk=fq(lw.wk), wv=fq(lw.wv), wo=fq(lw.wo, cols), w_gate=fq(lw.w_gate),
+            w_up=fq(lw.w_up), w_down=fq(lw.w_down, lw.ffn_group_size),
+        ))  # fmt: skip
+    return dataclasses.replace(weights, layers=layers, lm_head=fq(weights.lm_head), tied=False)
 
 
 def _fold_router(rw) -> tuple[torch.Tensor, torch.Tensor]:
