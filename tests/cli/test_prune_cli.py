@@ -129,7 +129,9 @@ SAMPLE = {
     "tau_start": 3.0, "tau_end": 0.7, "steps": 9, "seq_len": 64, "batch_size": 3, "grad_accum": 2,
     "lr": 1e-3, "seed": 5, "checkpoint_every": 3, "grad_checkpointing": True, "max_memory": "12GiB", "dtype": "bf16", "train_dtype": "bf16", "device": "cuda", "router_init": "calibration",
     "eval_seq_len": 48, "eval_max_tokens": 4096, "eval_batch_size": 2, "lora": True, "lora_steps": 11,
-    "lora_lr": 1e-4, "lora_rank": 8, "lora_alpha": 16.0, "freeze_routers": True, "cost_target": 0.6, "cost_metric": "decode_bytes",
+    "lora_lr": 1e-4, "lora_rank": 8, "lora_alpha": 16.0, "freeze_routers": True,
+    "cost_target": 0.7, "cost_metric": "decode_bytes", "sparsity_warmup": 0.2, "standin": "trained",
+    "distill": 0.5, "distill_temperature": 2.0, "lora_joint": True,
 }
 
 
