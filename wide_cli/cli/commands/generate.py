@@ -46,7 +46,7 @@ def generate_cmd(
     import sys
 
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.runtime.engine import Runtime
     from wide_cli.runtime.sampling import SamplingConfig
 

@@ -59,7 +59,7 @@ def calibrate_cmd(
 ):
     """Stage 1/4: tokenise + pack the data (cached) and collect per-group activation statistics."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.pipeline import stages
     from wide_cli.pipeline.rundir import RunDir, run_lock
 
@@ -93,6 +93,13 @@ def train_cmd(
     seed: o.Seed = None,
     tau_start: o.TauStart = None,
     tau_end: o.TauEnd = None,
+    cost_target: o.CostTarget = None,
+    cost_metric: o.CostMetric = None,
+    sparsity_warmup: o.SparsityWarmup = None,
+    standin: o.Standin = None,
+    distill: o.Distill = None,
+    distill_temperature: o.DistillTemperature = None,
+    lora_joint: o.LoraJoint = None,
     sparsity_weight: o.SparsityWeight = None,
     checkpoint_every: o.CheckpointEvery = None,
     grad_checkpointing: o.GradCheckpointing = None,
@@ -110,7 +117,7 @@ def train_cmd(
 ):
     """Stage 2/4: train the routers (stage 1) or LoRA + routers (stage 2) on a calibrated run."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.errors import ConfigError
     from wide_cli.pipeline import stages
 
@@ -157,7 +164,7 @@ def export_cmd(
 ):
     """Stage 3/4: write the deployable export (weights, routers, wide_config, model card, manifest)."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.pipeline import stages
     from wide_cli.pipeline.rundir import run_lock
 
