@@ -3,7 +3,7 @@
 ``python -m wide_cli.serve.offline REQUEST.json OUT.json`` with a request
 
     {"export": DIR, "prompts": [[token ids], ...], "max_tokens": 16, "dtype": "float32",
-     "max_model_len": 512, "modes": ["routed", "all-on"], "enforce_eager": false}
+     "max_model_len": 512, "modes": ["routed", "all-on"], "enforce_eager": false, "kv_cache_gib": 2}
 
 starts one engine (in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the model and its
 counters are reachable), generates greedily (``temperature 0``, ``ignore_eos``) for each mode in
@@ -26,6 +26,9 @@ import time
 
 def run(req: dict) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # A fixed KV-cache size: vLLM's default reserves 92 % of the machine's memory and refuses to
+    # start when other processes hold part of it.
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(req.get("kv_cache_gib", 2)))
     from vllm import LLM, SamplingParams
 
     from wide_cli.serve import vllm_models as vm
