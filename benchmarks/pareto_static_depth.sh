@@ -21,3 +21,16 @@ depth() {  # $1 = run name, $2 = cost target, rest = extra flags
 }
 for c in $COSTS; do depth "$c" "$c"; done
 for c in $COSTS; do depth "$c-lora" "$c" --lora --lora-steps "$LORA_STEPS"; done
+
+# Quality + measured speed in one process. TASKS=wikitext by default (what fits a 2-core session);
+# TASKS=wikitext,arc_easy,arc_challenge,piqa,hellaswag,boolq,winogrande,openbookqa LIMIT=500 gives
+# the full acceptance table (hours: the seven tasks at 500 items are ~20 min per model here).
+TASKS=${TASKS:-wikitext}
+LIMIT_ARGS=()
+[ -n "${LIMIT:-}" ] && LIMIT_ARGS=(--limit "$LIMIT")
+OUT=${OUT:-docs/results/pareto-smollm2/static-depth}
+TARGETS=(smollm2-135m)
+for c in $COSTS; do TARGETS+=("runs/sd-$c/export"); done
+for c in $COSTS; do [ -f "runs/sd-$c-lora/export/manifest.json" ] && TARGETS+=("runs/sd-$c-lora/export"); done
+$WIDE compare "${TARGETS[@]}" --tasks "$TASKS" "${LIMIT_ARGS[@]}" --data-dir "$DATA_DIR" --seq-len 256 \
+    --dtype bf16 --cache-dir runs/eval-cache --repeats 5 --out "$OUT" --json > "runs/sd-compare.json"

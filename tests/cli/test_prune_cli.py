@@ -56,7 +56,8 @@ def _run_main(argv, capsys):
         (["--sparsity", "-0.2"], "sparsity -0.2 is outside [0, 1)"),
         (["--sparsity-attention", "0.5"], "sparsity-attention and sparsity-ffn must be set together"),
         (["--method", "banana"], "unknown method 'banana'"),
-        (["--seq-len", "100000"], "too few for one training and one held-out sequence of seq-len 100000"),
+        (["--seq-len", "100000"], "seq-len 100000 exceeds the model's context length 512"),
+        (["--seq-len", "500", "--max-train-tokens", "700"], "too few for one training and one held-out sequence of seq-len 500"),
     ],
 )
 def test_bad_settings_fail_with_one_line_and_nothing_written(tmp_path, text_file, capsys, flags, message):
@@ -168,3 +169,32 @@ def test_help_lists_every_command():
     r = CliRunner().invoke(app, ["--help"])
     for cmd in ("prune", "calibrate", "train", "export", "eval", "recipes"):
         assert cmd in r.output
+
+
+@pytest.mark.parametrize("form", [["--nproc=2"], ["--nproc", "2"]])
+def test_nproc_in_either_form_relaunches_under_torchrun_without_the_flag(form, monkeypatch):
+    """``--nproc=2`` (the ``=`` form) re-runs under torchrun like ``--nproc 2``."""
+    from wide_cli.train import distributed
+
+    seen = {}
+
+    def fake_relaunch(nproc, argv):
+        seen.update(nproc=nproc, argv=argv)
+        return 0
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(distributed, "relaunch_with_torchrun", fake_relaunch)
+    argv = ["prune", "tiny-llama", *form, "--steps", "4", "--attn-group-size", "2"]
+    monkeypatch.setattr("sys.argv", ["wide", *argv])
+    assert main(argv) == 0
+    assert seen == {"nproc": 2, "argv": ["prune", "tiny-llama", "--steps", "4", "--attn-group-size", "2"]}
+
+
+def test_prune_without_group_flags_uses_one_attention_group_per_kv_head(tmp_path, text_file):
+    """tiny-llama has 4 query heads and 2 KV heads: the default attention group is 2 heads."""
+    args = ["prune", "tiny-llama", "--data", str(text_file), "--run-dir", str(tmp_path / "r"), "--steps", "2",
+            "--seq-len", "32", "--batch-size", "2", "--eval-max-tokens", "512", "--json"]
+    r = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    wcfg = json.loads((tmp_path / "r" / "export" / "wide_config.json").read_text())
+    assert wcfg["layout"]["attn_group_size"] == 2 and wcfg["layout"]["attn_groups"] == 2

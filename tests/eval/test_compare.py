@@ -79,6 +79,8 @@ def test_compare_end_to_end_on_tiny_models(tmp_path, text_file, data_dir):
     assert dense["method"] == "dense" and dense["decode_speedup"] == 1.0
     assert sd["method"] == "static-depth" and sd["cost_target"] == 0.7 and sd["decode_speedup"] > 0
     assert sd["flops"] < 1.0 and sd["wikitext_ppl"] > 1.0 and sd["task_avg"] is not None
+    wt = doc["eval"]["rows"][0]["results"]["wikitext"]  # token-level only unless --word-perplexity
+    assert wt["token_level"]["perplexity"] == dense["wikitext_ppl"] and not wt.get("harness")
     assert {p.name for p in out.iterdir()} >= {"report.json", "report.md", "pareto.png"}
     assert json.loads((out / "report.json").read_text())["rows"][1]["cost_target"] == 0.7
 

@@ -14,6 +14,9 @@ RunDirOpt = Annotated[Optional[Path], typer.Option("--run-dir", help="Run direct
 OutOpt = Annotated[Optional[Path], typer.Option("--out", help="Export directory (default <run-dir>/export).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout (logs go to stderr).")]
 NprocOpt = Annotated[int, typer.Option("--nproc", help="Data-parallel processes (re-runs itself under torchrun).")]
+TrustRemoteCodeOpt = Annotated[bool, typer.Option(
+    "--trust-remote-code", help="Run the Python files an --format hf export ships (by default wide loads it into "
+    "its own classes and refuses an export whose code differs from what this wide generates).")]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last checkpoint.")]
 
 # CLI option name (the Python parameter) -> (settings section, field).
@@ -72,7 +75,7 @@ Sparsity = Annotated[Optional[float], typer.Option("--sparsity", help="Target fr
 SparsityAttn = Annotated[Optional[float], typer.Option("--sparsity-attention", help="Per-module target for attention (with --sparsity-ffn).")]
 SparsityFfn = Annotated[Optional[float], typer.Option("--sparsity-ffn", help="Per-module target for the FFN (with --sparsity-attention).")]
 SparsityWeight = Annotated[Optional[float], typer.Option("--sparsity-weight", help="lambda of the sparsity loss (default 20).")]
-AttnGroup = Annotated[Optional[int], typer.Option("--attn-group-size", help="Query heads per attention group (divides H).")]
+AttnGroup = Annotated[Optional[int], typer.Option("--attn-group-size", help="Query heads per attention group (divides H; default: heads per KV head, one group per KV head).")]
 FfnGroup = Annotated[Optional[int], typer.Option("--ffn-group-size", help="FFN channels per group (divides the intermediate size).")]
 RouterRank = Annotated[Optional[int], typer.Option("--router-rank", help="Router bottleneck rank r (default 32).")]
 TauStart = Annotated[Optional[float], typer.Option("--tau-start", help="Gumbel temperature at the first step (default 5.0).")]

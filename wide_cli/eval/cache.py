@@ -81,6 +81,7 @@ def plan_fingerprint(plan, *, dtype, device) -> dict:
         files.append(_file_sig(plan.eval_data))
     return {"tasks": list(plan.tasks), "limit": plan.limit, "seq_len": plan.seq_len, "stride": plan.stride,
             "batch_size": plan.batch_size, "dataset": plan.wikitext_dataset, "split": plan.split,
+            "wikitext_protocols": list(plan.wikitext_protocols),
             "dtype": str(dtype), "device": str(device), "files": files}
 
 

@@ -189,28 +189,26 @@ def render_markdown(doc: dict) -> str:
     lines = ["# wide compare", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(c) + " |" for c in cells]
-    lines += ["",
-              f"Quality: tasks {', '.join(q['tasks'])}; limit {q['limit']}; perplexity window {q['seq_len']}; "
-              f"dtype {q['dtype']}. Task average = mean of the zero-shot tasks' summary metric.",
-              f"Speed: runtime backend {sp['backend']}, {env['dtype']}, {env['threads']} thread(s); decode batch 1, "
-              f"{sp['new_tokens']} new tokens after a {sp['decode_prompt_len']}-token prompt; prefill of "
-              f"{sp['prefill_len']} tokens; systems round-robin, {sp['warmup']} warm-up + {sp['repeats']} timed "
-              "rounds, median; speedups vs the dense model in the same rounds.", ""]
+    quality = (f"Quality: tasks {', '.join(q['tasks'])}; limit {q['limit']}; perplexity window {q['seq_len']}; "
+               f"dtype {q['dtype']}. Task average = mean of the zero-shot tasks' summary metric.")
+    speed = (f"Speed: runtime backend {sp['backend']}, {env['dtype']}, {env['threads']} thread(s); decode batch 1, "
+             f"{sp['new_tokens']} new tokens after a {sp['decode_prompt_len']}-token prompt; prefill of "
+             f"{sp['prefill_len']} tokens; systems round-robin, {sp['warmup']} warm-up + {sp['repeats']} timed "
+             "rounds, median; speedups vs the dense model in the same rounds.")
+    lines += ["", quality, speed, ""]
     return "\n".join(lines)
 
 
 def pareto_plot(rows: list[dict], path: Path, *, title: str = "") -> Path:
     """Perplexity and task average against measured decode speedup, one marker per (method, cost
     point); written atomically as PNG."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    from wide_cli.atomic import atomic_write_bytes
+    from wide_cli.eval.plots import save_figure
 
     pts = [r for r in rows if r["decode_speedup"] is not None]
     have_tasks = any(r["task_avg"] is not None for r in pts)
@@ -253,21 +251,22 @@ def pareto_plot(rows: list[dict], path: Path, *, title: str = "") -> Path:
         axes[0][0].legend(fontsize=8, loc="best")
         if title:
             fig.suptitle(title, fontsize=10)
-        fig.text(0.01, 0.01, "labels: cost target (fraction of dense per-token cost) or s= sparsity target", fontsize=7, color="grey")
+        fig.text(0.01, 0.01, "labels: cost target (fraction of dense per-token cost) or s= sparsity target",
+                 fontsize=7, color="grey")
         fig.tight_layout(rect=(0, 0.03, 1, 1))
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-    finally:
+    except BaseException:
         plt.close(fig)
-    atomic_write_bytes(Path(path), buf.getvalue())
-    return Path(path)
+        raise
+    return save_figure(fig, path)
 
 
 def compare(targets: list[str], *, tasks: list[str], data_dir: Path | None, limit: int | None, seq_len: int | None,
             batch_size: int, dtype: str, cache_dir: Path | None, speed: SpeedConfig, out_dir: Path | None,
-            log=None) -> dict:
+            word_perplexity: bool = False, log=None) -> dict:
     """Evaluate and time ``targets`` (the first is normally the dense model); returns the report
     (module docstring) and writes ``report.json``, ``report.md`` and ``pareto.png`` to ``out_dir``.
+    WikiText-2 is scored token-level only unless ``word_perplexity`` (lm-eval's rolling protocol too,
+    twice the time).
 
     Raises:
         ConfigError / DataError: bad settings or data, before any model is loaded (speed
@@ -287,7 +286,8 @@ def compare(targets: list[str], *, tasks: list[str], data_dir: Path | None, limi
         raise ConfigError(f"wide compare needs the dense model and at least one export (got {len(targets)})",
                           "e.g. wide compare smollm2-135m runs/a/export runs/b/export")
     report = evaluate_targets(targets, tasks=tasks, data_dir=data_dir, limit=limit, seq_len=seq_len,
-                              batch_size=batch_size, dtype=dtype, device="cpu", cache_dir=cache_dir)
+                              batch_size=batch_size, dtype=dtype, device="cpu", cache_dir=cache_dir,
+                              wikitext_protocols=("token", "harness") if word_perplexity else ("token",))
     _attach_export_facts(report)
     spd = measure_speed(targets, speed, log=log)
     rows = compare_rows(report, spd)

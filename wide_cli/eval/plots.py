@@ -20,8 +20,6 @@ def plot_layer_sparsity(sparsity: dict, path: Path, *, title: str = "") -> Path:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    from wide_cli.atomic import atomic_write_bytes
-
     per = sparsity.get("per_layer") or {}
     att = [0.0 if v is None else v for v in per.get("attention", [])]
     ffn = [0.0 if v is None else v for v in per.get("ffn", [])]
@@ -46,7 +44,20 @@ def plot_layer_sparsity(sparsity: dict, path: Path, *, title: str = "") -> Path:
         ax.set_title(f"{title}{sub}", fontsize=9)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        buf = io.BytesIO()
+    except BaseException:
+        plt.close(fig)
+        raise
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Write a matplotlib figure as PNG (atomically) and close it. Returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    from wide_cli.atomic import atomic_write_bytes
+
+    buf = io.BytesIO()
+    try:
         fig.savefig(buf, format="png")
     finally:
         plt.close(fig)

@@ -47,7 +47,7 @@ def label(text: str):
 
 
 def _fmt_s(s: float) -> str:
-    s = int(round(s))
+    s = round(s)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
@@ -59,8 +59,14 @@ class _Tracker:
         self.console = _state["console"]
         self.task = None
         if self.console is not None and self.console.is_terminal:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeElapsedColumn, TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             if _state["progress"] is None:
                 _state["progress"] = Progress(

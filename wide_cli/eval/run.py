@@ -43,12 +43,13 @@ class Target:
     wide_config: dict | None = None
 
 
-def load_target(target: str, *, dtype, device) -> Target:
-    """Load one target (see the module docstring). ``dtype`` is a torch dtype."""
+def load_target(target: str, *, dtype, device, trust_remote_code: bool = False) -> Target:
+    """Load one target (see the module docstring). ``dtype`` is a torch dtype;
+    ``trust_remote_code`` lets an hf export's shipped code run (``load_hf_export``)."""
     from wide_cli.export import is_export, load_pruned
 
     if is_export(target):
-        pm = load_pruned(target, dtype=dtype, device=device)
+        pm = load_pruned(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         wcfg = pm.wide_config or {}
         state = getattr(pm.model, "wide_routing", None)
         # a static-depth export routes nothing but is still a pruned model (fewer layers)
@@ -75,6 +76,8 @@ class EvalPlan:
     eval_data: Path | None
     wikitext_dataset: str = "wikitext-2-raw-v1"
     split: str = "test"
+    #: ``token`` (pruning papers' token-level perplexity) and/or ``harness`` (lm-eval word-level)
+    wikitext_protocols: tuple[str, ...] = ("token", "harness")
 
     @property
     def zero_shot(self) -> tuple[str, ...]:
@@ -148,9 +151,9 @@ def resolve_seq_len(plan: EvalPlan, model, tokenizer) -> int:
     max_len = resolve_max_length(model, tokenizer)
     if plan.seq_len is None:
         return min(DEFAULT_SEQ_LEN, max_len)
-    if plan.seq_len > max_len:
-        raise ConfigError(f"seq-len {plan.seq_len} exceeds the model's context length {max_len}",
-                          f"pass --seq-len {max_len} or less")
+    from wide_cli.models.arch import check_context
+
+    check_context(plan.seq_len, max_len, f"seq-len {plan.seq_len}", f"pass --seq-len {max_len} or less")
     return plan.seq_len
 
 
@@ -200,7 +203,8 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
             if t == "wikitext":
                 results[t] = evaluate_wikitext(model, tok, data_dir=plan.data_dir, dataset=plan.wikitext_dataset,
                                                split=plan.split, limit=plan.limit, seq_len=seq_len,
-                                               stride=plan.stride, batch_size=plan.batch_size, meter=sub)
+                                               stride=plan.stride, batch_size=plan.batch_size, meter=sub,
+                                               protocols=plan.wikitext_protocols)
             else:
                 results[t] = evaluate_task(model, tok, t, data_dir=plan.data_dir, limit=plan.limit,
                                            batch_size=plan.batch_size, meter=sub)
@@ -281,6 +285,8 @@ def evaluate_targets(
     out_dir: Path | None = None,
     stride: int | None = None,
     cache_dir: Path | None = None,
+    wikitext_protocols: tuple[str, ...] = ("token", "harness"),
+    trust_remote_code: bool = False,
 ) -> dict:
     """Evaluate models side by side and build the comparison report.
 
@@ -300,6 +306,9 @@ def evaluate_targets(
         cache_dir: when set, a model's row is read from there if its weights, the data, these
             settings and the evaluation code are unchanged, and stored there otherwise
             (``wide_cli.eval.cache``).
+        wikitext_protocols: ``token`` and/or ``harness`` (``wide_cli.eval.wikitext.evaluate_wikitext``);
+            ``token`` alone halves WikiText's time.
+        trust_remote_code: run the Python files of hf-format exports (never by default).
 
     Returns:
         The report dict (schema in ``wide_cli.eval.report``).
@@ -316,14 +325,17 @@ def evaluate_targets(
 
     if not targets:
         raise ConfigError("no target to evaluate", "pass one or more models or export directories")
+    import dataclasses
+
     plan = make_plan(tasks, data_dir=data_dir, limit=limit, seq_len=seq_len, stride=stride,
                      batch_size=batch_size, eval_data=eval_data)
+    plan = dataclasses.replace(plan, wikitext_protocols=tuple(wikitext_protocols))
     if device in (None, "auto"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     tdtype = resolve_dtype(dtype, device)
     rows, dense_ref, warnings_ = [], None, []
     for name in targets:
-        tgt = load_target(name, dtype=tdtype, device=device)
+        tgt = load_target(name, dtype=tdtype, device=device, trust_remote_code=trust_remote_code)
         if tgt.kind == "dense" and dense_ref is None:
             dense_ref = Target(tgt.name, None, None, "dense", tgt.source)
         key = cache.cache_key(tgt, plan, dtype=tdtype, device=device) if cache_dir is not None else None

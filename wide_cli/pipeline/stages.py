@@ -47,14 +47,16 @@ def effective_settings(settings: Settings) -> Settings:
 
 
 def load_backbone(settings: Settings):
-    """Load the dense model of ``settings.model`` (LoadedModel) and check the routing settings
-    against it (group sizes must divide H and F) before any work is done.
+    """Load the dense model of ``settings.model`` (LoadedModel) and check the settings against
+    it before any work is done: group sizes must divide H and F, and the training and
+    perplexity sequence lengths must fit in the model's context (the rule of ``wide eval``).
 
     Raises:
         ModelSourceError: unknown/missing model, unsupported architecture.
-        ConfigError: a group size that does not fit the model.
+        ConfigError: a group size that does not fit the model; a sequence length longer than
+            the model's context length, naming both numbers.
     """
-    from wide_cli.models.arch import model_shape
+    from wide_cli.models.arch import check_context, context_length, model_shape
     from wide_cli.models.loader import load_model, resolve_dtype
     from wide_cli.routing.config import resolve_groups
 
@@ -64,6 +66,12 @@ def load_backbone(settings: Settings):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             resolve_groups(settings.routing, model_shape(loaded.model.config))
+    max_len = context_length(loaded.model.config)
+    check_context(settings.train.seq_len, max_len, f"seq-len {settings.train.seq_len}",
+                  f"pass --seq-len {max_len} or less")
+    if settings.eval.seq_len:
+        check_context(settings.eval.seq_len, max_len, f"eval-seq-len {settings.eval.seq_len}",
+                      f"pass --eval-seq-len {max_len} or less")
     return loaded
 
 
@@ -385,15 +393,16 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
             "ffn_groups": layout.ffn_groups,
             "kv_aligned": layout.kv_aligned,
         },
-        "measured_sparsity": {**measured, "data": "held-out split of " + settings.data.train},
-        "source_model": {"spec": loaded.source, "resolved": loaded.resolved, "revision": loaded.revision},
+        "measured_sparsity": {**measured, "data": "held-out split of " + shareable(settings.data.train)},
+        "source_model": {**loaded.provenance, "spec": shareable(loaded.source), "resolved": loaded.resolved,
+                         "revision": loaded.revision},
         "lora": (
             {"merged": True, "rank": settings.stage2.lora_rank, "alpha": settings.stage2.lora_alpha,
              "target_modules": list(settings.stage2.target_modules)}
             if settings.stage2.enabled and (run.stage2 / "adapter.safetensors").is_file() else None
         ),
         "train": train_info,
-        "settings": settings.to_dict(),
+        "settings": shareable_settings(settings.to_dict()),
         "metrics": metrics or {},
     }
     try:
@@ -407,6 +416,25 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
             "free disk space or choose another --out, then re-run `wide export`; any previous export there is "
             "untouched",
         ) from e
+
+
+def shareable(value: str | None) -> str | None:
+    """``value`` as an export may record it: a local file or directory (or any absolute path)
+    becomes its name, so a shared export names no path of the machine that built it; aliases,
+    hub ids and ``builtin:`` sources stay as they are."""
+    if not value:
+        return value
+    p = Path(value).expanduser()
+    return p.name if p.is_absolute() or p.exists() else value
+
+
+def shareable_settings(d: dict) -> dict:
+    """``Settings.to_dict()`` with the model and data paths passed through ``shareable``."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    for section, key in (("model", "name"), ("data", "train"), ("data", "eval")):
+        if key in out.get(section, {}):
+            out[section][key] = shareable(out[section][key])
+    return out
 
 
 def _write_failure(e: Exception) -> str | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -281,8 +280,8 @@ def heal_run(settings, run, *, loaded, resume: bool = False, progress: bool = Tr
 
     from wide_cli.pipeline import stages
     from wide_cli.routing import attach_routers
-    from wide_cli.train.lora import ADAPTER, adapter_state_dict, wrap_lora
     from wide_cli.train.loop import train_stage
+    from wide_cli.train.lora import ADAPTER, adapter_state_dict, wrap_lora
 
     sel = read_selection(run)
     packed = stages._packed(settings, loaded.tokenizer, run)

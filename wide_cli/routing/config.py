@@ -23,7 +23,9 @@ class RoutingConfig:
             skip of a whole block: one group spanning the full width), ``static-width``
             (input-independent group removal), ``static-depth`` (whole decoder layers removed by
             Block Influence, ShortGPT; the export is a plain smaller model) or ``dense``.
-        attn_group_size: query heads per attention group; must divide H.
+        attn_group_size: query heads per attention group; must divide H. None (the default)
+            means the model's heads per KV head (one group per KV head), which divides H in
+            every GQA/MHA model and lets decode skip a KV head's cache reads.
         ffn_group_size: intermediate channels per FFN group; must divide F.
         router_rank: bottleneck width r of each router MLP.
         sparsity: shared target fraction of skipped (token, group) decisions, in [0, 1).
@@ -37,7 +39,7 @@ class RoutingConfig:
     """
 
     method: str = "wide"
-    attn_group_size: int = 3
+    attn_group_size: int | None = None
     ffn_group_size: int = 128
     router_rank: int = 32
     sparsity: float = 0.5
@@ -65,7 +67,7 @@ class RoutingConfig:
             )
         if self.router_rank < 1:
             raise ConfigError(f"router-rank {self.router_rank} must be >= 1")
-        if self.attn_group_size < 1 or self.ffn_group_size < 1:
+        if (self.attn_group_size is not None and self.attn_group_size < 1) or self.ffn_group_size < 1:
             raise ConfigError(
                 f"group sizes must be >= 1 (got attn {self.attn_group_size}, ffn {self.ffn_group_size})"
             )
@@ -117,7 +119,8 @@ class GroupLayout:
 
 
 def resolve_groups(cfg: RoutingConfig, shape: ModelShape, *, warn: bool = True) -> GroupLayout:
-    """Check group sizes against the model and return the layout.
+    """Check group sizes against the model and return the layout (an unset attention group size
+    becomes the model's heads per KV head).
 
     Raises:
         ConfigError: a group size that does not divide its axis, naming both numbers, e.g.
@@ -126,7 +129,7 @@ def resolve_groups(cfg: RoutingConfig, shape: ModelShape, *, warn: bool = True) 
     if cfg.method == "dynamic-depth":
         a, f = shape.num_heads, shape.intermediate_size
     else:
-        a, f = cfg.attn_group_size, cfg.ffn_group_size
+        a, f = cfg.attn_group_size or shape.heads_per_kv, cfg.ffn_group_size
     if shape.num_heads % a:
         divs = [k for k in range(1, shape.num_heads + 1) if shape.num_heads % k == 0]
         raise ConfigError(

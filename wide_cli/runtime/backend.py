@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from wide_cli.errors import ConfigError
+from wide_cli.errors import CheckpointError, ConfigError
 
 
 @dataclass
@@ -118,6 +118,8 @@ class ModelWeights:
             by transformers' ``ROPE_INIT_FUNCTIONS`` (B26).
         eos_token_ids: ids that end generation.
         tied: lm_head is embed.
+        max_positions: the model's context length (config ``max_position_embeddings``), None
+            when the config declares none.
     """
 
     embed: torch.Tensor
@@ -130,6 +132,7 @@ class ModelWeights:
     eos_token_ids: tuple[int, ...] = ()
     tied: bool = False
     extra: dict = field(default_factory=dict)
+    max_positions: int | None = None
 
 
 @runtime_checkable
@@ -352,7 +355,7 @@ def weights_from_tensors(
             ``allow_extra``), shapes that do not fit together, an untied model without
             ``lm_head.weight`` (B14), routers that do not match the layer widths.
     """
-    from wide_cli.models.arch import check_supported
+    from wide_cli.models.arch import check_supported, context_length
 
     check_supported(config)
     info = wide_config if isinstance(wide_config, RoutingInfo) else RoutingInfo.from_wide_config(wide_config)
@@ -434,7 +437,7 @@ def weights_from_tensors(
     return ModelWeights(
         embed=embed, lm_head=lm_head, final_norm=final_norm, layers=out_layers,
         rms_eps=float(getattr(config, "rms_norm_eps", 1e-6)), inv_freq=inv_freq, rope_scale=scale,
-        eos_token_ids=_eos_ids(config, extra_eos), tied=bool(tied),
+        eos_token_ids=_eos_ids(config, extra_eos), tied=bool(tied), max_positions=context_length(config),
     )  # fmt: skip
 
 
@@ -570,9 +573,11 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from wide_cli.export.hf_format import hf_export_config, is_hf_export
     from wide_cli.export.loader import read_wide_config
     from wide_cli.export.manifest import verify_manifest
     from wide_cli.export.writer import ROUTERS_FILE
+    from wide_cli.models.consistency import check_config_matches
 
     path = Path(path)
     if verify:
@@ -580,14 +585,24 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
     wcfg = read_wide_config(path)
     if verify and manifest.get("export_id") != wcfg.get("export_id"):
         raise _ckpt_error(f"{path / 'manifest.json'} belongs to another export", "re-run `wide export`")
+    hf = is_hf_export(path)  # read as data into wide's own config class; its .py files never run
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config = hf_export_config(path) if hf else AutoConfig.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise _ckpt_error(f"cannot read {path / 'config.json'}: {e}") from None
+    if getattr(config, "wide_layer_heads", None) is not None:
+        raise ConfigError(f"{path} is a physically narrowed static-width hf export, which the runtime does not run",
+                          "run the `--format wide` export of the same run (`wide export --run-dir R`)")
     info = RoutingInfo.from_wide_config(wcfg)
+    tensors = read_safetensors(path)
+    check_config_matches(config, {k: tuple(v.shape) for k, v in tensors.items()}, config_file=path / "config.json",
+                         weights_file="model.safetensors", error=CheckpointError)
     routers = {}
     rpath = path / ROUTERS_FILE
-    if info.method != "dense" and (info.route_attention or info.route_ffn):
+    if hf:  # the routers sit with the backbone in one set of weight files
+        routers = {k: tensors.pop(k) for k in [k for k in tensors if ".router_attention." in k or ".router_ffn." in k]}
+    elif info.method != "dense" and (info.route_attention or info.route_ffn):
         if not rpath.is_file():
             raise _ckpt_error(f"{rpath} is missing", "re-run `wide export`")
         try:
@@ -601,4 +616,4 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
             extra_eos = json.loads(gen.read_text()).get("eos_token_id")
         except ValueError:
             extra_eos = None
-    return weights_from_tensors(config, read_safetensors(path), routers, info, allow_extra=allow_extra, extra_eos=extra_eos)
+    return weights_from_tensors(config, tensors, routers, info, allow_extra=allow_extra, extra_eos=extra_eos)

@@ -31,6 +31,7 @@ from wide_cli.runtime.backend import (
     weights_from_tensors,
 )
 from wide_cli.runtime.kv_cache import KVCache
+from wide_cli.errors import ConfigError
 from wide_cli.runtime.sampling import Sampler, SamplingConfig, TextTracker
 
 MODULES = ("attention", "ffn")
@@ -245,6 +246,7 @@ class Runtime:
         self.eps = weights.rms_eps
         self.eos_token_ids = tuple(weights.eos_token_ids)
         self.vocab_size = weights.embed.shape[0]
+        self.max_positions = weights.max_positions
         self.embed = weights.embed.to(dev, self.dtype)
         self.lm_head = self.embed if weights.tied else weights.lm_head.to(dev, self.dtype)
         self.final_norm = weights.final_norm.to(dev, self.dtype)
@@ -543,14 +545,22 @@ class Runtime:
             prefill_chunk: prompt tokens per forward (bounds activation memory of long prompts;
                 None = the whole prompt at once). Results do not depend on it.
         """
+        from wide_cli.models.arch import check_context
+
         sampling = sampling or SamplingConfig()
         if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens {max_new_tokens} must be >= 1")
+            raise ConfigError(f"--max-new-tokens {max_new_tokens} must be >= 1", "ask for at least one new token")
         if not prompts:
             raise ValueError("no prompts")
         ids = self._encode(prompts)
         if any(len(p) == 0 for p in ids):
             raise ValueError("empty prompt (no tokens)")
+        longest = max(len(p) for p in ids)
+        check_context(longest, self.max_positions, f"a prompt of {longest} tokens",
+                      "shorten the prompt (or use a model with a longer context)")
+        check_context(longest + max_new_tokens, self.max_positions,
+                      f"a prompt of {longest} tokens + --max-new-tokens {max_new_tokens} = {longest + max_new_tokens} tokens",
+                      f"lower --max-new-tokens to {(self.max_positions or 0) - longest} or shorten the prompt")
         input_ids, valid = self.batch(ids, padding_side)
         B, T = input_ids.shape
         cache = self.new_cache(B, T + max_new_tokens)

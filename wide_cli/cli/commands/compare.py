@@ -9,8 +9,15 @@ from typing import Annotated
 import typer
 
 from wide_cli.cli import options as o
-from wide_cli.cli.commands.eval import (DEFAULT_BATCH_SIZE, DataDirOpt, EvalBatchOpt, EvalSeqLenOpt, LimitOpt,
-                                        TasksOpt, default_data_dir)
+from wide_cli.cli.commands.eval import (
+    DEFAULT_BATCH_SIZE,
+    DataDirOpt,
+    EvalBatchOpt,
+    EvalSeqLenOpt,
+    LimitOpt,
+    TasksOpt,
+    default_data_dir,
+)
 
 Targets = Annotated[list[str], typer.Argument(
     help="The dense model first (alias, HF id, local dir, .gguf), then the exports to compare with it.")]
@@ -33,6 +40,8 @@ def compare_cmd(
     repeats: Annotated[int, typer.Option("--repeats", help="Timed rounds per system (median reported).")] = 3,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed rounds first.")] = 1,
     threads: Annotated[int, typer.Option("--threads", help="Torch CPU threads (default 1; 0 = torch's default).")] = 1,
+    word_perplexity: Annotated[bool, typer.Option(
+        "--word-perplexity", help="Also score lm-eval's word-level WikiText perplexity (twice the WikiText time).")] = False,
     out: Annotated[Path | None, typer.Option("--out", help="Write report.json, report.md and pareto.png here.")] = None,
     json_out: o.JsonOpt = False,
 ):
@@ -51,7 +60,7 @@ def compare_cmd(
     with progress.enabled(render.err):
         doc = compare(list(targets), tasks=task_list, data_dir=data_dir if data_dir is not None else default_data_dir(),
                       limit=limit, seq_len=seq_len, batch_size=batch_size or DEFAULT_BATCH_SIZE, dtype=dtype or "bf16",
-                      cache_dir=cache_dir, speed=speed, out_dir=out, log=render.log)
+                      cache_dir=cache_dir, speed=speed, out_dir=out, word_perplexity=word_perplexity, log=render.log)
     from rich.table import Table
 
     head, cells = table_lines(doc["rows"])

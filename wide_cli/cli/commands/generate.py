@@ -9,7 +9,6 @@ by each of them and the continuations are printed side by side (``--json``: ``{"
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -94,12 +93,13 @@ def generate_cmd(
     )
 
 
-def _prompts_for(rt, prompts: list[str], chat: bool) -> list[str]:
-    """The prompts as the model sees them (wrapped in the tokenizer's chat template with ``chat``)."""
+def _prompts_for(rt, prompts: list[str], chat: bool) -> list:
+    """The prompts as the model sees them: text, or with ``chat`` the token ids of the
+    tokenizer's chat template (ids straight from the template: rendering it to text and
+    tokenizing again adds a second BOS)."""
     if not chat:
         return prompts
-    return [rt.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                             add_generation_prompt=True) for p in prompts]
+    return [chat_ids(rt.tokenizer, p) for p in prompts]
 
 
 def _side_by_side(models: list[str], prompts: list[str], *, max_new_tokens: int, backend: str, sampling, stop,
@@ -133,3 +133,20 @@ def _side_by_side(models: list[str], prompts: list[str], *, max_new_tokens: int,
 
     Console(width=max(render.err.width if render.err.is_terminal else 160, 100)).print(t)
 
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as one user turn of the tokenizer's chat template, with the
+    generation prompt: exactly ``apply_chat_template(..., tokenize=True)``.
+
+    Raises:
+        ConfigError: the tokenizer has no chat template.
+    """
+    from wide_cli.errors import ConfigError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("--chat: the export's tokenizer has no chat template", "drop --chat and write the prompt as text")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
+    if hasattr(ids, "keys"):  # a BatchEncoding in some transformers versions
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]

@@ -23,6 +23,7 @@ def inspect_cmd(
     seq_len: Annotated[int, typer.Option("--seq-len", help="Window length for --text, tokens.")] = 256,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens of --text to measure at most.")] = 8192,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check manifest.json hashes first.")] = True,
+    trust_remote_code: o.TrustRemoteCodeOpt = False,
     json_out: o.JsonOpt = False,
 ):
     """Inspect an export: sizes, settings, sparsity per layer and module, per-token routing."""
@@ -43,7 +44,8 @@ def inspect_cmd(
     if prompt is not None or text is not None:
         quiet_libraries()
     rep = inspect_export(export, text=body, text_name=str(text) if text else None, prompt=prompt, layer=layer,
-                         plot=plot, seq_len=seq_len, max_tokens=max_tokens, verify=verify)
+                         plot=plot, seq_len=seq_len, max_tokens=max_tokens, verify=verify,
+                         trust_remote_code=trust_remote_code)
     render.err.print(render_report(rep))
     if json_out:
         render.emit_json(rep.to_dict())

@@ -62,12 +62,11 @@ def prune_cmd(
 
         import typer
 
-        from wide_cli.train.distributed import relaunch_with_torchrun
+        from wide_cli.train import distributed
 
         if "WORLD_SIZE" not in os.environ:
-            argv = sys.argv[1:]
-            i = argv.index("--nproc")
-            raise typer.Exit(relaunch_with_torchrun(nproc, argv[:i] + argv[i + 2 :]))
+            argv = distributed.without_option(sys.argv[1:], "--nproc")
+            raise typer.Exit(distributed.relaunch_with_torchrun(nproc, argv))
 
     from wide_cli.cli import render
     from wide_cli.cli.setup import quiet_libraries
