@@ -158,6 +158,12 @@ def load_pruned(
         if smoke_check:
             _smoke_check(pm.model, pm.tokenizer, path)
         return pm
+    if (wcfg.get("weight_format") or {}).get("format") == "int8":
+        raise CheckpointError(
+            f"{path} stores int8 weights for wide's runtime (`wide export --weights int8`); "
+            "the transformers loaders need float weights",
+            "use `wide generate` / `wide bench` on it, or export again without --weights int8",
+        )
     from transformers import AutoConfig
 
     from wide_cli.models.consistency import check_export_shapes

@@ -28,12 +28,15 @@ class RouterWeights:
     Attributes:
         wc, bc: compressor ``[r, D]``, ``[r]``.
         wr, br: router ``[2G, r]``, ``[2G]``.
+        standin: ``[G, D]`` what each skipped group adds to the module output
+            (``RoutingConfig.standin``), or None (skipped groups add nothing).
     """
 
     wc: torch.Tensor
     bc: torch.Tensor
     wr: torch.Tensor
     br: torch.Tensor
+    standin: torch.Tensor | None = None
 
     @property
     def groups(self) -> int:
@@ -133,6 +136,33 @@ class ModelWeights:
     tied: bool = False
     extra: dict = field(default_factory=dict)
     max_positions: int | None = None
+
+
+class Counter:
+    """What a backend executed, counted while it runs (``wide bench``'s executed share, tests).
+
+    Attributes:
+        macs: multiply-adds of the weight GEMMs actually issued (a dense GEMM whose result is
+            masked afterwards counts in full), LM head included.
+        attn_macs: multiply-adds of attention scores and of the weighted sum of V, per head the
+            kernel computed (a dense pass that masks heads afterwards counts every head).
+        router_macs: multiply-adds of the routers (the engine counts them).
+        trace: None, or a list that receives ``(first_byte_address, nbytes)`` of every weight and
+            scale block a GEMM reads (tests check that skipped groups are never read).
+    """
+
+    def __init__(self):
+        self.macs = 0
+        self.attn_macs = 0
+        self.router_macs = 0
+        self.trace: list | None = None
+
+    def reset(self) -> None:
+        self.macs = self.attn_macs = self.router_macs = 0
+
+    @property
+    def total(self) -> int:
+        return self.macs + self.attn_macs + self.router_macs
 
 
 @runtime_checkable
@@ -483,9 +513,12 @@ def _layer_weights(i, w, D, d, info: RoutingInfo, r_att, r_ffn, window) -> Layer
             keeps[mod] = None if bool(keep.all()) else keep
             continue
         need = {"compressor.weight", "compressor.bias", "router.weight", "router.bias"}
-        if set(t) != need:
-            raise shape_err(f"router_{mod} tensors {sorted(t)} != {sorted(need)}")
-        rw = RouterWeights(t["compressor.weight"], t["compressor.bias"], t["router.weight"], t["router.bias"])
+        if set(t) - {"standin"} != need:
+            raise shape_err(f"router_{mod} tensors {sorted(t)} != {sorted(need)} (+ optional standin)")
+        rw = RouterWeights(t["compressor.weight"], t["compressor.bias"], t["router.weight"], t["router.bias"],
+                           t.get("standin"))
+        if rw.standin is not None and tuple(rw.standin.shape) != (G, D):
+            raise shape_err(f"router_{mod}.standin has shape {tuple(rw.standin.shape)}, expected ({G}, {D})")
         if rw.wc.shape[1] != D or rw.wr.shape[0] != 2 * G or rw.wr.shape[1] != rw.wc.shape[0]:
             raise shape_err(
                 f"router_{mod} shapes compressor {tuple(rw.wc.shape)} router {tuple(rw.wr.shape)} "
@@ -563,9 +596,14 @@ def read_safetensors(path) -> dict[str, torch.Tensor]:
 def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False) -> ModelWeights:
     """Read an export directory (``manifest.json`` verified first) into ``ModelWeights``.
 
+    An int8 export (``wide export --weights int8``) is dequantized here (exactly ``q * scale``)
+    and marked ``extra["weight_format"] = "int8"``; the cpu backend re-quantizes it to the same
+    int8 values.
+
     Raises:
         CheckpointError: see ``verify_manifest``, ``read_safetensors``, ``weights_from_tensors``;
-            also a missing ``routers.safetensors`` for a routed export (B30).
+            also a missing ``routers.safetensors`` for a routed export (B30), an int8 tensor
+            without (or with a mismatched) scale tensor.
     """
     import json
     from pathlib import Path
@@ -595,7 +633,9 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
         raise ConfigError(f"{path} is a physically narrowed static-width hf export, which the runtime does not run",
                           "run the `--format wide` export of the same run (`wide export --run-dir R`)")
     info = RoutingInfo.from_wide_config(wcfg)
-    tensors = read_safetensors(path)
+    from wide_cli.runtime.quant import dequantize_state_dict
+
+    tensors, quantized = dequantize_state_dict(read_safetensors(path), str(path / "model.safetensors"))
     check_config_matches(config, {k: tuple(v.shape) for k, v in tensors.items()}, config_file=path / "config.json",
                          weights_file="model.safetensors", error=CheckpointError)
     routers = {}
@@ -616,4 +656,7 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
             extra_eos = json.loads(gen.read_text()).get("eos_token_id")
         except ValueError:
             extra_eos = None
-    return weights_from_tensors(config, tensors, routers, info, allow_extra=allow_extra, extra_eos=extra_eos)
+    weights = weights_from_tensors(config, tensors, routers, info, allow_extra=allow_extra, extra_eos=extra_eos)
+    if quantized:
+        weights.extra["weight_format"] = "int8"
+    return weights

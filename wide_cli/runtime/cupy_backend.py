@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from wide_cli.errors import ConfigError
 from wide_cli.runtime import cupy_ops
 from wide_cli.runtime.backend import LayerWeights
+from wide_cli.runtime.cuda.launch import cuda_status
 
 
 @dataclass
@@ -53,7 +54,7 @@ class CupyBackend:
     name = "cupy"
 
     def __init__(self, device: str | torch.device = "cuda"):
-        why = cupy_ops.cuda_status()
+        why = cuda_status()
         if why is not None:
             raise ConfigError(
                 f"backend 'cupy' cannot run: {why}",
