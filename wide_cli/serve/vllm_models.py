@@ -62,6 +62,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 
 from wide_cli.runtime import cpu as cpu_ops
 from wide_cli.runtime import ops
+from wide_cli.runtime.backend import Counter
 from wide_cli.serve.config import SERVE_MODES, check_tensor_parallel
 
 ROUTERS_FILE = "routers.safetensors"
@@ -110,46 +111,53 @@ def _covers_all(plan, M: int, G: int) -> bool:
     return state == "dense" or (state == "sparse" and M <= cpu_ops.SMALL_M and runs == [(0, G)])
 
 
+def _proj(w: torch.Tensor, axis: str, g: int | None = None) -> cpu_ops.Proj:
+    """A float ``runtime/cpu.py`` projection of ``w`` (HF layout; copied into its layout)."""
+    return cpu_ops.Proj(w, axis, "float", w.dtype, w.device, Counter(), g)
+
+
 def _vllm_gemm(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` with vLLM's CPU kernel of ``linear`` (no bias, no tensor-parallel reduction)."""
     return linear.cpu_linear(x, linear.weight, None)
 
 
-def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, w_gu: torch.Tensor, w_down_t: torch.Tensor, op_id: int) -> torch.Tensor:
-    """``x [M, D]``, ``mask [M, G]`` bool, ``w_gu [G, 2g, D]``, ``w_down_t [G*g, D]`` -> ``[M, D]``."""
+def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
+    """``x [M, D]``, ``mask [M, G]`` bool -> ``[M, D]``: the FFN of op module ``op_id``."""
+    op = _OP_MODULES[op_id]
     plan = cpu_ops._plan(mask)
-    M, (G, g2, D) = x.shape[0], w_gu.shape
-    _count("ffn", plan, mask, 3 * (g2 // 2) * D, M)
-    mlp = _OP_MODULES[op_id]._mlp[0]
+    M, G = mask.shape
+    _count("ffn", plan, mask, 3 * op.group_size * x.shape[1], M)
+    mlp = op._mlp[0]
     if _covers_all(plan, M, G) and hasattr(mlp.down_proj, "cpu_linear"):
         gu = _vllm_gemm(mlp.gate_up_proj, x)
         Fl = gu.shape[1] // 2
         h = F.silu(gu[:, :Fl]) * gu[:, Fl:]
         if plan[0] != "dense":
-            h.mul_(ops.expand_mask(mask, g2 // 2).to(h.dtype))
+            h.mul_(ops.expand_mask(mask, op.group_size).to(h.dtype))
         return _vllm_gemm(mlp.down_proj, h)
-    return cpu_ops.ffn_grouped(x, w_gu, w_down_t, mask, g2 // 2, plan)
+    return cpu_ops.ffn_proj(x, op.gu, op.down, mask, plan)
 
 
-def _ffn_fake(x: torch.Tensor, mask: torch.Tensor, w_gu: torch.Tensor, w_down_t: torch.Tensor, op_id: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w_down_t.shape[1])
+def _ffn_fake(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
-def _out_cpu(o: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor, group_cols: int, op_id: int) -> torch.Tensor:
-    """``o [M, K]``, ``mask [M, K / group_cols]`` bool, ``w_o [N, K]`` -> ``[M, N]`` (gemm_k)."""
+def _out_cpu(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int) -> torch.Tensor:
+    """``o [M, K]``, ``mask [M, K / group_cols]`` bool -> ``[M, out_features]`` (``ops.gemm_k``)."""
+    op = _OP_MODULES[op_id]
     plan = cpu_ops._plan(mask)
     M, G = mask.shape
-    _count("attention", plan, mask, group_cols * w_o.shape[0], M)
-    o_proj = _OP_MODULES[op_id]._o[0]
+    _count("attention", plan, mask, op.group_cols * out_features, M)
+    o_proj = op._o[0]
     if _covers_all(plan, M, G) and hasattr(o_proj, "cpu_linear"):
         if plan[0] != "dense":
-            o = o * ops.expand_mask(mask, group_cols).to(o.dtype)
+            o = o * ops.expand_mask(mask, op.group_cols).to(o.dtype)
         return _vllm_gemm(o_proj, o)
-    return cpu_ops.gemm_k_rows(o, w_o.t(), mask, group_cols, None, plan)
+    return cpu_ops.gemm_k_proj(o, op.o, mask, None, plan)
 
 
-def _out_fake(o: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor, group_cols: int, op_id: int) -> torch.Tensor:
-    return o.new_empty(o.shape[0], w_o.shape[0])
+def _out_fake(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int) -> torch.Tensor:
+    return o.new_empty(o.shape[0], out_features)
 
 
 _REGISTERED = False
@@ -185,7 +193,8 @@ class WideRoutedFFN(CustomOp):
     parallel; the caller all-reduces). ``prepare`` takes the layer's loaded weights before vLLM's
     CPU linear layers repack them (and drop ``weight``): ``gate_up_proj`` ``[2 F_local, D]``
     (gate rows then up rows) and ``down_proj`` ``[D, F_local]``, and for ``forward_cpu`` the
-    group-major layout of ``runtime/cpu.py`` instead (``w_gu [G, 2g, D]``, ``w_down_t [F, D]``).
+    group-major ``runtime/cpu.py`` projections instead (``gu``: per group its gate rows then its up
+    rows; ``down``: reduction groups of ``g`` channels).
     """
 
     def __init__(self, mlp: nn.Module, group_size: int):
@@ -194,7 +203,8 @@ class WideRoutedFFN(CustomOp):
         self.group_size = group_size
         self.op_id = len(_OP_MODULES)
         _OP_MODULES.append(self)
-        for name in ("w_gate_up", "w_down", "w_gu", "w_down_t"):
+        self.gu = self.down = None  # runtime/cpu.py projections (forward_cpu)
+        for name in ("w_gate_up", "w_down"):
             self.register_buffer(name, torch.empty(0), persistent=False)
 
     def prepare(self) -> None:
@@ -202,11 +212,9 @@ class WideRoutedFFN(CustomOp):
         mlp = self._mlp[0]
         w, wd = mlp.gate_up_proj.weight.detach(), mlp.down_proj.weight.detach()
         if self._forward_method == self.forward_cpu:
-            F2, D = w.shape
-            Fl, g = F2 // 2, self.group_size
-            G = Fl // g
-            self.w_gu = torch.stack([w[:Fl].reshape(G, g, D), w[Fl:].reshape(G, g, D)], dim=1).reshape(G, 2 * g, D)
-            self.w_down_t = wd.t().contiguous()
+            Fl, g = w.shape[0] // 2, self.group_size
+            self.gu = _proj(cpu_ops.grouped_gate_up(w[:Fl], w[Fl:], g), "n")
+            self.down = _proj(wd, "k", g)
         else:
             self.w_gate_up, self.w_down = w, wd
 
@@ -218,7 +226,7 @@ class WideRoutedFFN(CustomOp):
         return F.linear(h, self.w_down)
 
     def forward_cpu(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return torch.ops.vllm.wide_ffn_cpu(x, mask, self.w_gu, self.w_down_t, self.op_id)
+        return torch.ops.vllm.wide_ffn_cpu(x, mask, self.op_id)
 
     def forward_cuda(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if not _cupy_ready():
@@ -243,15 +251,18 @@ class WideRoutedOut(CustomOp):
         self.op_id = len(_OP_MODULES)
         _OP_MODULES.append(self)
         self.register_buffer("w_o", torch.empty(0), persistent=False)
+        self.o = None  # runtime/cpu.py projection (forward_cpu)
 
     def prepare(self) -> None:
         self.w_o = self._o[0].weight.detach()
+        if self._forward_method == self.forward_cpu:
+            self.o = _proj(self.w_o, "k", self.group_cols)
 
     def forward_native(self, o: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return F.linear(o * ops.expand_mask(mask, self.group_cols).to(o.dtype), self.w_o)
 
     def forward_cpu(self, o: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return torch.ops.vllm.wide_out_cpu(o, mask, self.w_o, self.group_cols, self.op_id)
+        return torch.ops.vllm.wide_out_cpu(o, mask, self.w_o.shape[0], self.op_id)
 
     def forward_cuda(self, o: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if not _cupy_ready():
