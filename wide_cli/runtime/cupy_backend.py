@@ -99,7 +99,7 @@ class CupyBackend:
             bq = None if p.bqkv is None else p.bqkv[:nq]
             bkv = None if p.bqkv is None else p.bqkv[nq:]
             q = cupy_ops.gemm_mn(x, p.wq, mask, p.attn_cols, bq)
-            kv = F.linear(x, p.wqkv[nq:], bkv)  # every token's K/V, whatever its routing (later tokens read them)
+            kv = F.linear(x, p.wqkv[nq:], bkv)  # every token's K/V, routed or not (later tokens read them)
         nkv = kv.shape[1] // 2
         return q, kv[:, :nkv], kv[:, nkv:]
 
