@@ -23,7 +23,7 @@ def saved_tiny(tmp_path):
 
 
 def test_every_flag_reaches_the_library(monkeypatch, tmp_path):
-    """Each option changes the evaluate_targets call (no flag accepted and dropped, B25)."""
+    """Each option changes the evaluate_targets call (no flag accepted and dropped)."""
     from wide_cli.eval import run
 
     seen = {}

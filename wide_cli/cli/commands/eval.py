@@ -61,7 +61,7 @@ def eval_cmd(
     """Evaluate models: WikiText-2 perplexity (token-level and lm-eval word-level), zero-shot
     accuracy (acc and acc_norm), measured sparsity and routed FLOPs, in one table."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.eval import run
     from wide_cli.eval.report import render_table
 

@@ -48,7 +48,7 @@ def generate_cmd(
     import torch
 
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.runtime.engine import Runtime
     from wide_cli.runtime.sampling import SamplingConfig
 

@@ -74,7 +74,7 @@ def prune_cmd(
             raise typer.Exit(distributed.relaunch_with_torchrun(nproc, argv))
 
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.pipeline.prune import prune
 
     quiet_libraries()

@@ -58,7 +58,7 @@ def calibrate_cmd(
 ):
     """Stage 1/4: tokenise + pack the data (cached) and collect per-group activation statistics."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.pipeline import stages
     from wide_cli.pipeline.rundir import RunDir, run_lock
 
@@ -112,7 +112,7 @@ def train_cmd(
 ):
     """Stage 2/4: train the routers (stage 1) or LoRA + routers (stage 2) on a calibrated run."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.errors import ConfigError
     from wide_cli.pipeline import stages
     from wide_cli.pipeline.rundir import run_lock
@@ -151,7 +151,7 @@ def export_cmd(
 ):
     """Stage 3/4: write the deployable export (weights, routers, wide_config, model card, manifest)."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.pipeline import stages
     from wide_cli.pipeline.rundir import run_lock
 

@@ -293,7 +293,7 @@ def inspect_export(
     report = InspectReport(path, fmt, method, file_sizes(path), parameter_counts(path), settings_of(wc),
                            sparsity, source, prompt=trace, layer=layer)
     if plot is not None:
-        from wide_cli.inspect.plot import plot_sparsity
+        from wide_cli.inspection.plot import plot_sparsity
 
         if not sparsity or not sparsity.get("per_layer"):
             raise ConfigError("no per-layer sparsity to plot", "pass --text FILE to measure it")
