@@ -182,8 +182,9 @@ def _wait_gone(pids, timeout=20.0) -> bool:
 def test_start_up_that_never_gets_ready_leaves_nothing_running(tmp_path, export_factory):
     pids = tmp_path / "pids"
     env = {"WIDE_SERVE_PYTHON": str(_fake_python(tmp_path)), "FAKE_PIDS": str(pids)}
-    r = _wide(["serve", export_factory("llama"), "--port", _free_port(), "--startup-timeout", "3"], env=env)
-    assert r.returncode == 1 and "was not ready after 3 s" in _error_line(r)
+    # long enough for the stand-in to start (and write its pids) on a loaded machine
+    r = _wide(["serve", export_factory("llama"), "--port", _free_port(), "--startup-timeout", "12"], env=env)
+    assert r.returncode == 1 and "was not ready after 12 s" in _error_line(r)
     assert _wait_gone(map(int, pids.read_text().split()))
 
 
