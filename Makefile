@@ -63,7 +63,7 @@ bench: setup
 	$(VENV)/bin/wide bench runs/demo/export --json-out docs/results/bench-cpu.json
 
 gpu-check: setup
-	$(PY) -m wide_cli.runtime.gpu_check --out docs/results/gpu
+	$(PY) -m wide_cli.gpu_check --out docs/results/gpu
 
 faults: setup
 	$(PY) -m pytest -q -ra tests/faults

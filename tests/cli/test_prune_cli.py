@@ -1,5 +1,6 @@
 """`wide prune` end to end on a tiny model, its --json contract, bad input (one line, non-zero
-exit, nothing half-written), and every flag reaching the settings (B25)."""
+exit, nothing half-written), and every flag reaching the settings (a
+flag that is parsed but ignored is a silent bug)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def _run_main(argv, capsys):
         (["--sparsity", "-0.2"], "sparsity -0.2 is outside [0, 1)"),
         (["--sparsity-attention", "0.5"], "sparsity-attention and sparsity-ffn must be set together"),
         (["--method", "banana"], "unknown method 'banana'"),
-        (["--seq-len", "100000"], "too few for one training and one held-out sequence of seq-len 100000"),
+        (["--seq-len", "100000"], "seq-len 100000 exceeds the model's context length 512"),
+        (["--seq-len", "500", "--max-train-tokens", "700"], "too few for one training and one held-out sequence of seq-len 500"),
     ],
 )
 def test_bad_settings_fail_with_one_line_and_nothing_written(tmp_path, text_file, capsys, flags, message):
@@ -88,7 +90,8 @@ def test_too_short_data(tmp_path, capsys):
     p = tmp_path / "short.txt"
     p.write_text("only a few words")
     code, err = _run_main(["prune", "tiny-llama", "--data", str(p), "--run-dir", str(tmp_path / "r"), *TINY], capsys)
-    assert code == 2 and "short.txt" in err[-1] or "tokens" in err[-1]
+    assert code == 2 and err[-1].startswith("error: only 17 tokens from 1 documents: too few")
+    assert "use a smaller --seq-len or more data" in err[-1]
     assert not (tmp_path / "r" / "export").exists()
 
 
@@ -116,7 +119,7 @@ def test_b12_fp16_on_cpu_upcasts_once_and_bf16_runs(tmp_path, text_file):
     assert abs(db - d32) / d32 < 0.01
 
 
-# ------------------------------------------------------------------ B25: every flag is used
+# ------------------------------------------------------------------ every flag is used
 NOT_SETTINGS = {"model", "recipe", "run_dir", "out", "resume", "json_out", "nproc"}
 
 SAMPLE = {
@@ -126,7 +129,9 @@ SAMPLE = {
     "tau_start": 3.0, "tau_end": 0.7, "steps": 9, "seq_len": 64, "batch_size": 3, "grad_accum": 2,
     "lr": 1e-3, "seed": 5, "checkpoint_every": 3, "grad_checkpointing": True, "max_memory": "12GiB", "dtype": "bf16", "train_dtype": "bf16", "device": "cuda", "router_init": "calibration",
     "eval_seq_len": 48, "eval_max_tokens": 4096, "eval_batch_size": 2, "lora": True, "lora_steps": 11,
-    "lora_lr": 1e-4, "lora_rank": 8, "lora_alpha": 16.0, "freeze_routers": True, "cost_target": 0.6, "cost_metric": "decode_bytes",
+    "lora_lr": 1e-4, "lora_rank": 8, "lora_alpha": 16.0, "freeze_routers": True,
+    "cost_target": 0.7, "cost_metric": "decode_bytes", "sparsity_warmup": 0.2, "standin": "trained",
+    "distill": 0.5, "distill_temperature": 2.0, "lora_joint": True,
 }
 
 
@@ -168,3 +173,32 @@ def test_help_lists_every_command():
     r = CliRunner().invoke(app, ["--help"])
     for cmd in ("prune", "calibrate", "train", "export", "eval", "recipes"):
         assert cmd in r.output
+
+
+@pytest.mark.parametrize("form", [["--nproc=2"], ["--nproc", "2"]])
+def test_nproc_in_either_form_relaunches_under_torchrun_without_the_flag(form, monkeypatch):
+    """``--nproc=2`` (the ``=`` form) re-runs under torchrun like ``--nproc 2``."""
+    from wide_cli.train import distributed
+
+    seen = {}
+
+    def fake_relaunch(nproc, argv):
+        seen.update(nproc=nproc, argv=argv)
+        return 0
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(distributed, "relaunch_with_torchrun", fake_relaunch)
+    argv = ["prune", "tiny-llama", *form, "--steps", "4", "--attn-group-size", "2"]
+    monkeypatch.setattr("sys.argv", ["wide", *argv])
+    assert main(argv) == 0
+    assert seen == {"nproc": 2, "argv": ["prune", "tiny-llama", "--steps", "4", "--attn-group-size", "2"]}
+
+
+def test_prune_without_group_flags_uses_one_attention_group_per_kv_head(tmp_path, text_file):
+    """tiny-llama has 4 query heads and 2 KV heads: the default attention group is 2 heads."""
+    args = ["prune", "tiny-llama", "--data", str(text_file), "--run-dir", str(tmp_path / "r"), "--steps", "2",
+            "--seq-len", "32", "--batch-size", "2", "--eval-max-tokens", "512", "--json"]
+    r = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    wcfg = json.loads((tmp_path / "r" / "export" / "wide_config.json").read_text())
+    assert wcfg["layout"]["attn_group_size"] == 2 and wcfg["layout"]["attn_groups"] == 2

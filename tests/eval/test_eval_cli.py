@@ -23,7 +23,7 @@ def saved_tiny(tmp_path):
 
 
 def test_every_flag_reaches_the_library(monkeypatch, tmp_path):
-    """Each option changes the evaluate_targets call (no flag accepted and dropped, B25)."""
+    """Each option changes the evaluate_targets call (no flag accepted and dropped)."""
     from wide_cli.eval import run
 
     seen = {}
@@ -38,16 +38,17 @@ def test_every_flag_reaches_the_library(monkeypatch, tmp_path):
     text.write_text("x")
     args = ["eval", "a", "b", "--tasks", "wikitext2,piqa", "--data-dir", str(tmp_path), "--limit", "7",
             "--seq-len", "256", "--stride", "128", "--batch-size", "3", "--dtype", "bf16", "--device", "cpu",
-            "--eval-data", str(text), "--out", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c"), "--json"]
+            "--eval-data", str(text), "--out", str(tmp_path / "o"), "--cache-dir", str(tmp_path / "c"), "--trust-remote-code", "--json"]
     r = CliRunner().invoke(app, args, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert seen == {"targets": ["a", "b"], "tasks": ["wikitext2", "piqa"], "data_dir": tmp_path, "limit": 7,
                     "seq_len": 256, "stride": 128, "batch_size": 3, "dtype": "bf16", "device": "cpu",
-                    "eval_data": text, "out_dir": tmp_path / "o", "cache_dir": tmp_path / "c"}
+                    "eval_data": text, "out_dir": tmp_path / "o", "cache_dir": tmp_path / "c",
+                    "trust_remote_code": True}
     assert json.loads(r.stdout)["schema"] == "wide.eval.report"
     params = set(inspect.signature(eval_cmd).parameters) - {"json_out", "run_dir"}  # run_dir: tests/cli
     assert params == {"targets", "tasks", "data_dir", "limit", "seq_len", "stride", "batch_size", "dtype",
-                      "device", "eval_data", "out", "cache_dir"}
+                      "device", "eval_data", "out", "cache_dir", "trust_remote_code"}
 
 
 def test_json_is_one_object_on_stdout(saved_tiny, tmp_path, data_dir):

@@ -1,4 +1,4 @@
-"""Group-size validation (B01) and routing settings."""
+"""Group-size validation (a group size must divide the heads / channels) and routing settings."""
 
 import warnings
 
@@ -71,3 +71,15 @@ def test_dynamic_depth_is_one_group_spanning_the_width():
 def test_unknown_method():
     with pytest.raises(ConfigError, match="unknown method 'sparse'"):
         RoutingConfig(method="sparse")
+
+
+@pytest.mark.parametrize(("heads", "kv", "expected"), [(4, 2, 2), (9, 3, 3), (6, 6, 1), (8, 1, 8)])
+def test_attention_group_size_defaults_to_heads_per_kv_head(heads, kv, expected):
+    """Without --attn-group-size every GQA/MHA model gets one group per KV head (tiny-llama's
+    4 heads / 2 KV heads used to fail with the fixed default 3)."""
+    cfg = tiny_config("llama", num_attention_heads=heads, num_key_value_heads=kv, hidden_size=16 * heads,
+                      head_dim=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layout = resolve_groups(RoutingConfig(), model_shape(cfg))
+    assert (layout.attn_group_size, layout.attn_groups, layout.kv_aligned) == (expected, heads // expected, True)

@@ -1,9 +1,11 @@
-"""`wide generate` and `wide bench` on a tiny export: every flag reaches the library (B25)."""
+"""`wide generate` and `wide bench` on a tiny export: every flag reaches the library (a flag
+that is parsed but ignored is a silent bug)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from wide_cli.cli.app import app
@@ -77,7 +79,10 @@ def test_bench_flags_reach_the_config(tiny_export, monkeypatch):
     cfg = seen["cfg"]
     assert (cfg.prefill_lengths, cfg.decode_batches, cfg.new_tokens, cfg.decode_prompt_len) == ((5, 7), (3,), 4, 6)
     assert (cfg.repeats, cfg.warmup, cfg.systems, cfg.dense_backend) == (2, 0, ("dense", "cpu"), "reference")
-    assert (cfg.dtype, cfg.threads, cfg.forced_sparsity, cfg.seed) == ("bf16", 1, 0.25, 9)
+    assert (cfg.dtype, cfg.threads, cfg.forced_sparsity, cfg.seed) == ("bf16", (1,), 0.25, 9)
+    assert cfg.weights == ("bf16",)
+    r = _run(["bench", str(tiny_export), "--weights", "fp32,int8", "--threads", "1,2", "--json"])
+    assert (seen["cfg"].weights, seen["cfg"].threads) == (("fp32", "int8"), (1, 2))
     r = _run(["bench", str(tiny_export), "--quick", "--new-tokens", "3", "--json"])
     assert seen["cfg"].prefill_lengths == (32, 128) and seen["cfg"].new_tokens == 3
 
@@ -91,13 +96,37 @@ def test_bench_quick_real_run(tiny_export, tmp_path):
     rows = {(e["system"], e["phase"], e["batch"]): e for e in doc["results"]}
     assert {s for s, _, _ in rows} == {"hf", "dense", "reference", "cpu"}
     assert len(rows) == 4 * 3
+    for e in doc["results"]:
+        for key in ("system", "threads", "shape", "tokens_per_s", "skips_work", "executed_mac_fraction"):
+            assert key in e
     cpu = rows[("cpu", "decode", 1)]
     for key in ("tokens_per_s", "decode_speedup_vs_hf", "ideal_speedup", "measured_sparsity"):
         assert cpu[key] is not None
     assert rows[("hf", "prefill", 1)]["prefill_speedup_vs_hf"] == 1.0
     assert 0 < cpu["measured_sparsity"]["total"] < 1 and cpu["ideal_speedup"] > 1.0
+    assert cpu["skips_work"] and cpu["executed_mac_fraction"] < 1.0
     assert rows[("dense", "decode", 1)]["measured_sparsity"] is None
+    # masking-only rows: the reference backend computes dense, then masks: no ideal bound
+    ref = rows[("reference", "decode", 1)]
+    assert not ref["skips_work"] and ref["ideal_speedup"] is None and ref["executed_mac_fraction"] >= 1.0
+    dense = rows[("dense", "prefill", 1)]
+    assert not dense["skips_work"] and dense["executed_mac_fraction"] == pytest.approx(1.0, abs=1e-9)
+    assert rows[("hf", "decode", 1)]["executed_mac_fraction"] is None  # dense code, not instrumented
     assert "wide bench" in r.stderr
+
+
+def test_bench_rows_whose_union_is_everything_do_not_skip(tiny_export):
+    """A decode batch whose rows together execute every group runs dense GEMMs plus masking:
+    counted, it executes at least the dense multiply-adds, says so and gets no ideal bound."""
+    from wide_cli.runtime.bench import BenchConfig, run_bench
+
+    cfg = BenchConfig(prefill_lengths=(), decode_batches=(16,), new_tokens=2, decode_prompt_len=4, repeats=1,
+                      warmup=0, systems=("dense", "cpu"), forced_sparsity=0.3)  # fmt: skip
+    rows = {e.system: e for e in run_bench(tiny_export, cfg).entries}
+    cpu = rows["cpu"]
+    assert cpu.measured_sparsity["total"] > 0.2  # the rows do skip groups ...
+    assert not cpu.skips_work and cpu.ideal_speedup is None  # ... but the batch's union is everything
+    assert cpu.executed_mac_fraction >= 1.0
 
 
 def test_bench_weight_bytes_come_from_the_cost_model():

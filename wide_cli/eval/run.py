@@ -43,12 +43,13 @@ class Target:
     wide_config: dict | None = None
 
 
-def load_target(target: str, *, dtype, device) -> Target:
-    """Load one target (see the module docstring). ``dtype`` is a torch dtype."""
+def load_target(target: str, *, dtype, device, trust_remote_code: bool = False) -> Target:
+    """Load one target (see the module docstring). ``dtype`` is a torch dtype;
+    ``trust_remote_code`` lets an hf export's shipped code run (``load_hf_export``)."""
     from wide_cli.export import is_export, load_pruned
 
     if is_export(target):
-        pm = load_pruned(target, dtype=dtype, device=device)
+        pm = load_pruned(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         wcfg = pm.wide_config or {}
         state = getattr(pm.model, "wide_routing", None)
         # a static-depth export routes nothing but is still a pruned model (fewer layers)
@@ -150,9 +151,9 @@ def resolve_seq_len(plan: EvalPlan, model, tokenizer) -> int:
     max_len = resolve_max_length(model, tokenizer)
     if plan.seq_len is None:
         return min(DEFAULT_SEQ_LEN, max_len)
-    if plan.seq_len > max_len:
-        raise ConfigError(f"seq-len {plan.seq_len} exceeds the model's context length {max_len}",
-                          f"pass --seq-len {max_len} or less")
+    from wide_cli.models.arch import check_context
+
+    check_context(plan.seq_len, max_len, f"seq-len {plan.seq_len}", f"pass --seq-len {max_len} or less")
     return plan.seq_len
 
 
@@ -219,7 +220,7 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     if wcfg.get("static") and wcfg.get("export_format") == "hf":
         # a physically narrowed static-width export makes no routing decisions to count: its
         # sparsity is its kept groups (input independent, exact)
-        from wide_cli.inspect.report import static_sparsity
+        from wide_cli.inspection.report import static_sparsity
 
         layout = wcfg.get("layout") or getattr(model.config, "wide_routing", {}).get("layout")
         sparsity = static_sparsity({**wcfg, "layout": layout})
@@ -285,6 +286,7 @@ def evaluate_targets(
     stride: int | None = None,
     cache_dir: Path | None = None,
     wikitext_protocols: tuple[str, ...] = ("token", "harness"),
+    trust_remote_code: bool = False,
 ) -> dict:
     """Evaluate models side by side and build the comparison report.
 
@@ -306,6 +308,7 @@ def evaluate_targets(
             (``wide_cli.eval.cache``).
         wikitext_protocols: ``token`` and/or ``harness`` (``wide_cli.eval.wikitext.evaluate_wikitext``);
             ``token`` alone halves WikiText's time.
+        trust_remote_code: run the Python files of hf-format exports (never by default).
 
     Returns:
         The report dict (schema in ``wide_cli.eval.report``).
@@ -332,7 +335,7 @@ def evaluate_targets(
     tdtype = resolve_dtype(dtype, device)
     rows, dense_ref, warnings_ = [], None, []
     for name in targets:
-        tgt = load_target(name, dtype=tdtype, device=device)
+        tgt = load_target(name, dtype=tdtype, device=device, trust_remote_code=trust_remote_code)
         if tgt.kind == "dense" and dense_ref is None:
             dense_ref = Target(tgt.name, None, None, "dense", tgt.source)
         key = cache.cache_key(tgt, plan, dtype=tdtype, device=device) if cache_dir is not None else None

@@ -82,11 +82,11 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
 def resolve_max_length(model, tokenizer=None) -> int:
     """The model's context length as lm-eval resolves it: config ``n_positions`` /
     ``max_position_embeddings`` / ``n_ctx``, else ``tokenizer.model_max_length``, else 2048."""
-    cfg = getattr(model.config, "text_config", None) or model.config
-    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
-        v = getattr(cfg, attr, None)
-        if v is not None:
-            return int(v)
+    from wide_cli.models.arch import context_length
+
+    n = context_length(model.config)
+    if n is not None:
+        return n
     mml = getattr(tokenizer, "model_max_length", None)
     if mml is not None and mml != _TOKENIZER_INFINITY:
         return int(mml)

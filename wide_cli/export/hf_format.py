@@ -228,14 +228,71 @@ def is_hf_export(path) -> bool:
     return "modeling_wide" in json.dumps(cfg.get("auto_map", {}))
 
 
-def load_hf_export(path, *, dtype: torch.dtype = torch.float32, device="cpu", verify: bool = True):
-    """Load an hf-format export with transformers' remote code (as a user without wide would),
-    after checking its manifest.
+def hf_base_model_type(path) -> str:
+    """The base ``model_type`` (llama, mistral, qwen2, qwen3) of an hf-format export, read from
+    its ``config.json`` as data.
+
+    Raises:
+        CheckpointError: unreadable config, or a ``model_type`` that is not ``wide_<supported>``.
+    """
+    from wide_cli.errors import CheckpointError
+
+    p = Path(path) / "config.json"
+    try:
+        mt = str(json.loads(p.read_text()).get("model_type", ""))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {p}: {e}", "re-run `wide export`") from None
+    base = mt.removeprefix("wide_")
+    if not mt.startswith("wide_") or base not in ARCH_PREFIX:
+        raise CheckpointError(f"{p}: model_type {mt!r} is not a wide hf export of a supported model",
+                              f"expected one of {', '.join('wide_' + k for k in ARCH_PREFIX)}; re-run `wide export`")
+    return base
+
+
+def hf_export_config(path):
+    """The config of an hf-format export as wide's own config class (no shipped code runs)."""
+    from wide_cli.export.modeling_template import own_classes
+
+    config_cls, _ = own_classes(hf_base_model_type(path))
+    return config_cls.from_pretrained(path, local_files_only=True)
+
+
+def refuse_shipped_code(path) -> None:
+    """Raise unless the export's generated code files are exactly what this wide generates.
+
+    wide never executes code from an export it reads: it loads into its own classes, and
+    refuses an export whose code it would not have written, since that export expects code
+    wide does not run (and may carry code that runs on load in other tools).
+
+    Raises:
+        CheckpointError: naming the file and ``--trust-remote-code``.
+    """
+    from wide_cli.errors import CheckpointError
+    from wide_cli.export.modeling_template import differing_shipped_file
+
+    bad = differing_shipped_file(path, hf_base_model_type(path))
+    if bad is not None:
+        from wide_cli import __version__
+
+        raise CheckpointError(
+            f"{Path(path) / bad} is not the code wide {__version__} generates (edited, or from another wide "
+            "version); wide does not execute code shipped in an export",
+            "re-export it with this wide, or pass --trust-remote-code if you trust whoever made the export",
+        )
+
+
+def load_hf_export(path, *, dtype: torch.dtype = torch.float32, device="cpu", verify: bool = True,
+                   trust_remote_code: bool = False):
+    """Load an hf-format export after checking its manifest, into wide's own classes (the
+    generated code of this wide version; the export's ``.py`` files are compared, never run).
+    With ``trust_remote_code`` transformers runs the export's shipped files instead, as a user
+    without wide would.
 
     Returns a ``PrunedModel`` (model in eval mode; routing in its default mode, ``argmax``).
 
     Raises:
-        CheckpointError: missing/corrupt files (named), a manifest of another export, missing or
+        CheckpointError: missing/corrupt files (named), a manifest of another export, shipped
+            code that differs from this wide's (without ``trust_remote_code``), missing or
             mismatched tensors, or a tokenizer that cannot be loaded.
     """
     import warnings
@@ -245,14 +302,22 @@ def load_hf_export(path, *, dtype: torch.dtype = torch.float32, device="cpu", ve
 
     from wide_cli.errors import CheckpointError
     from wide_cli.export.loader import PrunedModel, open_export, unreadable_weights
+    from wide_cli.export.modeling_template import own_classes
 
     path, wcfg, tokenizer = open_export(path, verify=verify)
+    if not trust_remote_code:
+        refuse_shipped_code(path)
+    from wide_cli.models.consistency import check_export_shapes
+
+    check_export_shapes(path, hf_export_config(path))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model, info = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, trust_remote_code=True, local_files_only=True, output_loading_info=True
-            )
+            kw = dict(dtype=dtype, local_files_only=True, output_loading_info=True)
+            if trust_remote_code:
+                model, info = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kw)
+            else:
+                model, info = own_classes(hf_base_model_type(path))[1].from_pretrained(path, **kw)
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         bad = unreadable_weights(path)
         raise CheckpointError(

@@ -124,6 +124,7 @@ def load_pruned(
     verify: bool = True,
     allow_extra: bool = False,
     smoke_check: bool = True,
+    trust_remote_code: bool = False,
 ) -> PrunedModel:
     """Load an export written by ``export_model`` (``--format hf`` exports go through
     ``wide_cli.export.hf_format.load_hf_export``: transformers with the export's generated code).
@@ -136,6 +137,8 @@ def load_pruned(
         allow_extra: tolerate unexpected tensors in the weights (warn instead of failing).
         smoke_check: after loading, require next-token entropy on a fixed prompt to be below
             ln(vocab) - 0.01 (uniform logits mean weights were silently lost; public case B30).
+        trust_remote_code: for an ``hf`` export, run its shipped Python files (see
+            ``load_hf_export``); otherwise they are never executed.
 
     Raises:
         CheckpointError: missing/corrupt files, a manifest from another export, missing or
@@ -151,13 +154,28 @@ def load_pruned(
     if wcfg.get("export_format", "wide") == "hf":  # generated remote code; its manifest is verified
         from wide_cli.export.hf_format import load_hf_export
 
-        pm = load_hf_export(path, dtype=dtype, device=device, verify=False)
+        pm = load_hf_export(path, dtype=dtype, device=device, verify=False, trust_remote_code=trust_remote_code)
         if smoke_check:
             _smoke_check(pm.model, pm.tokenizer, path)
         return pm
+    if (wcfg.get("weight_format") or {}).get("format") == "int8":
+        raise CheckpointError(
+            f"{path} stores int8 weights for wide's runtime (`wide export --weights int8`); "
+            "the transformers loaders need float weights",
+            "use `wide generate` / `wide bench` on it, or export again without --weights int8",
+        )
+    from transformers import AutoConfig
+
+    from wide_cli.models.consistency import check_export_shapes
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path / 'config.json'}: {e}", "re-run `wide export`") from None
+    check_export_shapes(path, config)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, output_loading_info=True, local_files_only=True
+            path, config=config, dtype=dtype, output_loading_info=True, local_files_only=True
         )
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         bad = unreadable_weights(path)

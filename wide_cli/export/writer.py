@@ -27,6 +27,8 @@ from wide_cli.routing.model import router_state_dict
 FORMAT_VERSION = 1
 WIDE_CONFIG = "wide_config.json"
 ROUTERS_FILE = "routers.safetensors"
+INT8_SCHEME = ("symmetric int8, per output row (q/k/v, gate/up, embeddings, lm_head) and per row and routed group "
+               "of the reduction axis (o_proj, down_proj); NAME_scale [N, K / group] fp32, weight = q * scale")
 EXPORT_FORMATS = ("wide", "hf")
 
 
@@ -64,6 +66,7 @@ def export_model(
     wide_config: dict,
     max_shard_size: str = "2GB",
     export_format: str = "wide",
+    weight_format: str = "fp32",
 ) -> ExportResult:
     """Export a routed model (LoRA already merged) to ``out_dir``, atomically.
 
@@ -91,6 +94,24 @@ def export_model(
             from wide_cli.export.hf_format import write_hf
 
             extra = write_hf(model, tokenizer, tmp, export_id=export_id, max_shard_size=max_shard_size)
+        elif weight_format == "int8":
+            from wide_cli.runtime.quant import quantize_state_dict
+
+            st = model.wide_routing
+            qsd = quantize_state_dict(
+                {k: v.float() for k, v in backbone.items()},
+                attn_cols=st.layout.attn_group_size * st.shape.head_dim, ffn_group_size=st.layout.ffn_group_size,
+            )  # fmt: skip
+            if getattr(model.config, "tie_word_embeddings", False):
+                qsd = {k: v for k, v in qsd.items() if not k.startswith("lm_head.")}
+            model.config.save_pretrained(tmp)
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(tmp)
+            save_file(qsd, str(tmp / "model.safetensors"), metadata={"format": "pt", "wide_weight_format": "int8"})
+            tokenizer.save_pretrained(tmp)
+            if routers:
+                save_file(routers, str(tmp / ROUTERS_FILE), metadata={"format": "pt", "wide_export_id": export_id})
+            extra = {"weight_format": {"format": "int8", "scheme": INT8_SCHEME}}
         else:
             model.save_pretrained(tmp, state_dict=backbone, max_shard_size=max_shard_size)
             tokenizer.save_pretrained(tmp)
@@ -108,7 +129,7 @@ def export_model(
         }
         atomic_write_json(tmp / WIDE_CONFIG, cfg)
         write_model_card(tmp, cfg, export_format=export_format, name=Path(out_dir).name)
-        manifest = write_manifest(tmp, export_id=export_id)
+        manifest = write_manifest(tmp, export_id=export_id, weight_format=weight_format)
     files = sorted(manifest["files"]) + ["manifest.json"]
     total = sum(v["size"] for v in manifest["files"].values())
     return ExportResult(Path(out_dir), export_id, files, total)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wide_cli.errors import ModelSourceError
+from wide_cli.errors import ConfigError, ModelSourceError
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -84,3 +84,28 @@ def model_shape(config) -> ModelShape:
         vocab_size=int(config.vocab_size),
         model_type=str(config.model_type),
     )
+
+
+#: config attributes that hold a model's context length, in lm-eval's order of preference.
+CONTEXT_ATTRS = ("n_positions", "max_position_embeddings", "n_ctx")
+
+
+def context_length(config) -> int | None:
+    """The model's context length (positions) from its config, or None when it declares none."""
+    cfg = getattr(config, "text_config", None) or config
+    for attr in CONTEXT_ATTRS:
+        v = getattr(cfg, attr, None)
+        if v is not None:
+            return int(v)
+    return None
+
+
+def check_context(n_tokens: int, max_len: int | None, what: str, fix: str) -> None:
+    """The one context-length rule of every stage: ``n_tokens`` positions must fit in
+    ``max_len`` (None = no limit declared).
+
+    Raises:
+        ConfigError: "``what`` exceeds the model's context length ``max_len``" with ``fix``.
+    """
+    if max_len is not None and n_tokens > max_len:
+        raise ConfigError(f"{what} exceeds the model's context length {max_len}", fix)

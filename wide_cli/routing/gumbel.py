@@ -30,17 +30,21 @@ def hard_gumbel_execute(
     Returns:
         ``[..., G]`` same dtype as ``logits``; forward values exactly 0.0 or 1.0 (1 = execute),
         gradient of the soft sample ``softmax((logits + g) / tau)[..., 0]``.
+
+    The noise and the softmax are fp32 whatever the logits' dtype: under fp16 autocast,
+    ``clamp_min(1e-20)`` would round to 0 and ``-log(0)`` makes NaN decisions, and bf16/fp16
+    uniforms are coarse (many exact zeros), which biases the Gumbel distribution.
     """
     b = logits.shape[0]
-    u = torch.rand((world * b, *logits.shape[1:]), generator=generator, device=logits.device, dtype=logits.dtype)
+    u = torch.rand((world * b, *logits.shape[1:]), generator=generator, device=logits.device, dtype=torch.float32)
     u = u[rank * b : (rank + 1) * b]
     exp_noise = (-torch.log(u.clamp_min(1e-20))).clamp_min(1e-20)  # Exp(1) samples
     gumbels = -torch.log(exp_noise)
-    soft = F.softmax((logits + gumbels) / tau, dim=-1)
+    soft = F.softmax((logits.float() + gumbels) / tau, dim=-1)
     index = soft.argmax(dim=-1, keepdim=True)
     hard = torch.zeros_like(soft).scatter_(-1, index, 1.0)
     y = hard - soft.detach() + soft
-    return y[..., 0]
+    return y[..., 0].to(logits.dtype)
 
 
 def argmax_execute(logits: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from wide_cli.errors import ConfigError
+from wide_cli.errors import CheckpointError, ConfigError
 
 
 @dataclass
@@ -28,12 +28,15 @@ class RouterWeights:
     Attributes:
         wc, bc: compressor ``[r, D]``, ``[r]``.
         wr, br: router ``[2G, r]``, ``[2G]``.
+        standin: ``[G, D]`` what each skipped group adds to the module output
+            (``RoutingConfig.standin``), or None (skipped groups add nothing).
     """
 
     wc: torch.Tensor
     bc: torch.Tensor
     wr: torch.Tensor
     br: torch.Tensor
+    standin: torch.Tensor | None = None
 
     @property
     def groups(self) -> int:
@@ -118,6 +121,8 @@ class ModelWeights:
             by transformers' ``ROPE_INIT_FUNCTIONS`` (B26).
         eos_token_ids: ids that end generation.
         tied: lm_head is embed.
+        max_positions: the model's context length (config ``max_position_embeddings``), None
+            when the config declares none.
     """
 
     embed: torch.Tensor
@@ -130,6 +135,34 @@ class ModelWeights:
     eos_token_ids: tuple[int, ...] = ()
     tied: bool = False
     extra: dict = field(default_factory=dict)
+    max_positions: int | None = None
+
+
+class Counter:
+    """What a backend executed, counted while it runs (``wide bench``'s executed share, tests).
+
+    Attributes:
+        macs: multiply-adds of the weight GEMMs actually issued (a dense GEMM whose result is
+            masked afterwards counts in full), LM head included.
+        attn_macs: multiply-adds of attention scores and of the weighted sum of V, per head the
+            kernel computed (a dense pass that masks heads afterwards counts every head).
+        router_macs: multiply-adds of the routers (the engine counts them).
+        trace: None, or a list that receives ``(first_byte_address, nbytes)`` of every weight and
+            scale block a GEMM reads (tests check that skipped groups are never read).
+    """
+
+    def __init__(self):
+        self.macs = 0
+        self.attn_macs = 0
+        self.router_macs = 0
+        self.trace: list | None = None
+
+    def reset(self) -> None:
+        self.macs = self.attn_macs = self.router_macs = 0
+
+    @property
+    def total(self) -> int:
+        return self.macs + self.attn_macs + self.router_macs
 
 
 @runtime_checkable
@@ -352,7 +385,7 @@ def weights_from_tensors(
             ``allow_extra``), shapes that do not fit together, an untied model without
             ``lm_head.weight`` (B14), routers that do not match the layer widths.
     """
-    from wide_cli.models.arch import check_supported
+    from wide_cli.models.arch import check_supported, context_length
 
     check_supported(config)
     info = wide_config if isinstance(wide_config, RoutingInfo) else RoutingInfo.from_wide_config(wide_config)
@@ -434,7 +467,7 @@ def weights_from_tensors(
     return ModelWeights(
         embed=embed, lm_head=lm_head, final_norm=final_norm, layers=out_layers,
         rms_eps=float(getattr(config, "rms_norm_eps", 1e-6)), inv_freq=inv_freq, rope_scale=scale,
-        eos_token_ids=_eos_ids(config, extra_eos), tied=bool(tied),
+        eos_token_ids=_eos_ids(config, extra_eos), tied=bool(tied), max_positions=context_length(config),
     )  # fmt: skip
 
 
@@ -480,9 +513,12 @@ def _layer_weights(i, w, D, d, info: RoutingInfo, r_att, r_ffn, window) -> Layer
             keeps[mod] = None if bool(keep.all()) else keep
             continue
         need = {"compressor.weight", "compressor.bias", "router.weight", "router.bias"}
-        if set(t) != need:
-            raise shape_err(f"router_{mod} tensors {sorted(t)} != {sorted(need)}")
-        rw = RouterWeights(t["compressor.weight"], t["compressor.bias"], t["router.weight"], t["router.bias"])
+        if set(t) - {"standin"} != need:
+            raise shape_err(f"router_{mod} tensors {sorted(t)} != {sorted(need)} (+ optional standin)")
+        rw = RouterWeights(t["compressor.weight"], t["compressor.bias"], t["router.weight"], t["router.bias"],
+                           t.get("standin"))
+        if rw.standin is not None and tuple(rw.standin.shape) != (G, D):
+            raise shape_err(f"router_{mod}.standin has shape {tuple(rw.standin.shape)}, expected ({G}, {D})")
         if rw.wc.shape[1] != D or rw.wr.shape[0] != 2 * G or rw.wr.shape[1] != rw.wc.shape[0]:
             raise shape_err(
                 f"router_{mod} shapes compressor {tuple(rw.wc.shape)} router {tuple(rw.wr.shape)} "
@@ -560,9 +596,14 @@ def read_safetensors(path) -> dict[str, torch.Tensor]:
 def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False) -> ModelWeights:
     """Read an export directory (``manifest.json`` verified first) into ``ModelWeights``.
 
+    An int8 export (``wide export --weights int8``) is dequantized here (exactly ``q * scale``)
+    and marked ``extra["weight_format"] = "int8"``; the cpu backend re-quantizes it to the same
+    int8 values.
+
     Raises:
         CheckpointError: see ``verify_manifest``, ``read_safetensors``, ``weights_from_tensors``;
-            also a missing ``routers.safetensors`` for a routed export (B30).
+            also a missing ``routers.safetensors`` for a routed export (B30), an int8 tensor
+            without (or with a mismatched) scale tensor.
     """
     import json
     from pathlib import Path
@@ -570,9 +611,11 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from wide_cli.export.hf_format import hf_export_config, is_hf_export
     from wide_cli.export.loader import read_wide_config
     from wide_cli.export.manifest import verify_manifest
     from wide_cli.export.writer import ROUTERS_FILE
+    from wide_cli.models.consistency import check_config_matches
 
     path = Path(path)
     if verify:
@@ -580,14 +623,26 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
     wcfg = read_wide_config(path)
     if verify and manifest.get("export_id") != wcfg.get("export_id"):
         raise _ckpt_error(f"{path / 'manifest.json'} belongs to another export", "re-run `wide export`")
+    hf = is_hf_export(path)  # read as data into wide's own config class; its .py files never run
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config = hf_export_config(path) if hf else AutoConfig.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise _ckpt_error(f"cannot read {path / 'config.json'}: {e}") from None
+    if getattr(config, "wide_layer_heads", None) is not None:
+        raise ConfigError(f"{path} is a physically narrowed static-width hf export, which the runtime does not run",
+                          "run the `--format wide` export of the same run (`wide export --run-dir R`)")
     info = RoutingInfo.from_wide_config(wcfg)
+    from wide_cli.runtime.quant import dequantize_state_dict
+
+    tensors, quantized = dequantize_state_dict(read_safetensors(path), str(path / "model.safetensors"))
+    check_config_matches(config, {k: tuple(v.shape) for k, v in tensors.items()}, config_file=path / "config.json",
+                         weights_file="model.safetensors", error=CheckpointError)
     routers = {}
     rpath = path / ROUTERS_FILE
-    if info.method != "dense" and (info.route_attention or info.route_ffn):
+    if hf:  # the routers sit with the backbone in one set of weight files
+        routers = {k: tensors.pop(k) for k in [k for k in tensors if ".router_attention." in k or ".router_ffn." in k]}
+    elif info.method != "dense" and (info.route_attention or info.route_ffn):
         if not rpath.is_file():
             raise _ckpt_error(f"{rpath} is missing", "re-run `wide export`")
         try:
@@ -601,4 +656,7 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
             extra_eos = json.loads(gen.read_text()).get("eos_token_id")
         except ValueError:
             extra_eos = None
-    return weights_from_tensors(config, read_safetensors(path), routers, info, allow_extra=allow_extra, extra_eos=extra_eos)
+    weights = weights_from_tensors(config, tensors, routers, info, allow_extra=allow_extra, extra_eos=extra_eos)
+    if quantized:
+        weights.extra["weight_format"] = "int8"
+    return weights

@@ -37,13 +37,13 @@ Measured on a shared 2-core Xeon (AVX-512, no bf16 units), SmolLM2-135M shapes, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from wide_cli.runtime import ops
-from wide_cli.runtime.backend import LayerWeights
+from wide_cli.runtime.backend import Counter, LayerWeights
 
 # Calls with at most this many tokens use union runs, larger ones mask reordering. Measured on
 # SmolLM2-135M FFN shapes (fp32, 1 thread, independent 50 % masks): from 4 to 64 tokens both are
@@ -109,24 +109,122 @@ def _mask_state(mask: torch.Tensor | None) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# routed GEMMs on a prepared layout (the backend's hot path)
+# projections in a weight format, read block by block
 
 
-def gemm_mn_rows(a: torch.Tensor, w: torch.Tensor, mask, group_size: int, bias=None, plan=None) -> torch.Tensor:
-    """``ops.gemm_mn`` where ``w [N, K]`` has contiguous row groups (HF layout or a row view)."""
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """``(first byte address, nbytes)`` of a contiguous block."""
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
+class Proj:
+    """One projection ``y = x @ W^T`` (``W [N, K]``, HF layout) stored so that a block of routed
+    groups is one contiguous read, in a weight format (``runtime/quant.py``).
+
+    axis ``n`` (QKV, gate/up): blocks are row ranges ``[r0, r1)``. float: ``w [N, K]``; int8:
+    ``q [N, K]`` and one bf16 scale per row ``s [N]``.
+    axis ``k`` (O, down): blocks are reduction groups ``[j0, j1)`` of ``g`` channels. float:
+    ``w_t [K, N]`` (a group's channels are contiguous rows); int8: ``q [G, N, g]`` and
+    ``s [G, N]``, one block and one scale per (group, row): a skipped group reads neither.
+
+    Every call adds its multiply-adds to ``counter.macs`` (and its weight spans to
+    ``counter.trace`` when tracing). Views of blocks are cached (at most G (G + 1) / 2 per
+    projection), so the decode hot path slices nothing.
+    """
+
+    def __init__(self, w: torch.Tensor, axis: str, fmt: str, dtype: torch.dtype, device, counter: Counter,
+                 g: int | None = None, what: str = "projection"):
+        from wide_cli.runtime.quant import check_int8_width, quantize_int8
+
+        self.axis, self.fmt, self.counter = axis, fmt, counter
+        self.int8 = fmt == "int8"
+        self.N, self.K = w.shape
+        self.g = g
+        self.dtype = dtype
+        self._v: dict = {}
+        if self.int8:
+            check_int8_width(self.K if axis == "n" else g, what)
+            if axis == "n":
+                q, s = quantize_int8(w)
+                self.q, self.s = q.to(device).contiguous(), s[:, 0].to(device, torch.bfloat16).contiguous()
+            else:
+                G = self.K // g
+                q, s = quantize_int8(w, g)
+                self.q = q.view(self.N, G, g).permute(1, 0, 2).to(device).contiguous()  # [G, N, g]
+                self.s = s.t().to(device, torch.bfloat16).contiguous()  # [G, N]
+        elif axis == "n":
+            self.w = w.to(device=device, dtype=dtype).contiguous()
+        else:
+            self.w_t = w.to(device=device, dtype=dtype).t().contiguous()
+
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        """Accumulator of ``acc``: fp32 for int8 (its blocks are summed one group at a time)."""
+        return torch.float32 if self.int8 else self.dtype
+
+    def nbytes(self) -> int:
+        ts = (self.q, self.s) if self.int8 else (self.w if self.axis == "n" else self.w_t,)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def rows(self, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+        """``x [M, K] -> [M, r1 - r0]``: output rows ``[r0, r1)`` (axis ``n``)."""
+        v = self._v.get((r0, r1))
+        if v is None:
+            v = self._v[(r0, r1)] = (
+                (self.q[r0:r1], self.s[r0:r1]) if self.int8 else (self.w[r0:r1],)
+            )
+        self.counter.macs += x.shape[0] * (r1 - r0) * self.K
+        if self.counter.trace is not None:
+            self.counter.trace.extend(_span(t) for t in v)
+        if self.int8:
+            return torch.ops.aten._weight_int8pack_mm(x, v[0], v[1])
+        return F.linear(x, v[0])
+
+    def acc(self, out: torch.Tensor, a: torch.Tensor, j0: int, j1: int) -> None:
+        """``out [M, N] += a [M, (j1 - j0) g] @ W[:, j0 g : j1 g]^T`` (axis ``k``); ``a`` holds
+        the activations of groups ``[j0, j1)`` only; ``out`` has ``acc_dtype``."""
+        g = self.g
+        M = a.shape[0]
+        self.counter.macs += M * (j1 - j0) * g * self.N
+        tr = self.counter.trace
+        if not self.int8:
+            w = self._v.get((j0, j1))
+            if w is None:
+                w = self._v[(j0, j1)] = self.w_t[j0 * g : j1 * g]
+            if tr is not None:
+                tr.append(_span(w))
+            out.addmm_(a, w)
+            return
+        for j in range(j0, j1):
+            aj = a[:, (j - j0) * g : (j - j0 + 1) * g]
+            if M > 1:
+                aj = aj.contiguous()
+            if tr is not None:
+                tr.extend((_span(self.q[j]), _span(self.s[j])))
+            out.add_(torch.ops.aten._weight_int8pack_mm(aj, self.q[j], self.s[j]))
+
+
+def gemm_mn_proj(a: torch.Tensor, p: Proj, mask, group_size: int, bias=None, plan=None) -> torch.Tensor:
+    """``ops.gemm_mn`` on the first ``G * group_size`` rows of an axis-``n`` projection."""
     state, runs, uniform = plan or _plan(mask)
+    M = a.shape[0]
+    g = group_size
+    N = (mask.shape[1] if mask is not None else p.N // g) * g
     if state == "dense":
-        return F.linear(a, w, bias)
-    M, N = a.shape[0], w.shape[0]
+        out = p.rows(a, 0, N)
+        return out if bias is None else out.add_(bias)
     out = torch.zeros(M, N, dtype=a.dtype, device=a.device)
     if state == "none":
         return out
-    g = group_size
     if M <= SMALL_M and runs == [(0, N // g)]:  # union is everything: dense GEMM, then mask
-        return F.linear(a, w, bias).mul_(ops.expand_mask(mask, g).to(a.dtype))
+        out = p.rows(a, 0, N)
+        if bias is not None:
+            out.add_(bias)
+        return out.mul_(ops.expand_mask(mask, g).to(a.dtype))
     if M <= SMALL_M:
         for s, e in runs:
-            out[:, s * g : e * g] = F.linear(a, w[s * g : e * g], None if bias is None else bias[s * g : e * g])
+            y = p.rows(a, s * g, e * g)
+            out[:, s * g : e * g] = y if bias is None else y.add_(bias[s * g : e * g])
         if not uniform:
             out.mul_(ops.expand_mask(mask, g).to(out.dtype))
         return out
@@ -134,47 +232,50 @@ def gemm_mn_rows(a: torch.Tensor, w: torch.Tensor, mask, group_size: int, bias=N
     for j, n in enumerate(counts.tolist()):
         if n == 0:
             continue
-        wj = w[j * g : (j + 1) * g]
         bj = None if bias is None else bias[j * g : (j + 1) * g]
         if n == M:
-            out[:, j * g : (j + 1) * g] = F.linear(a, wj, bj)
+            y = p.rows(a, j * g, (j + 1) * g)
+            out[:, j * g : (j + 1) * g] = y if bj is None else y.add_(bj)
         else:
             idx = order[j, :n]
-            out[:, j * g : (j + 1) * g].index_copy_(0, idx, F.linear(a.index_select(0, idx), wj, bj))
+            y = p.rows(a.index_select(0, idx), j * g, (j + 1) * g)
+            out[:, j * g : (j + 1) * g].index_copy_(0, idx, y if bj is None else y.add_(bj))
     return out
 
 
-def gemm_k_rows(a: torch.Tensor, w_t: torch.Tensor, mask, group_size: int, bias=None, plan=None) -> torch.Tensor:
-    """``ops.gemm_k`` with the weight given transposed: ``w_t [K, N]`` (contiguous row groups)."""
+def gemm_k_proj(a: torch.Tensor, p: Proj, mask, bias=None, plan=None) -> torch.Tensor:
+    """``ops.gemm_k`` on an axis-``k`` projection (groups of ``p.g`` reduction channels)."""
     state, runs, uniform = plan or _plan(mask)
-    M, N = a.shape[0], w_t.shape[1]
-    if state == "dense":
-        out = a @ w_t
-        return out if bias is None else out.add_(bias)
-    out = torch.zeros(M, N, dtype=a.dtype, device=a.device) if bias is None else bias.expand(M, N).clone()
+    M, g, G = a.shape[0], p.g, p.K // p.g
+    out = torch.zeros(M, p.N, dtype=p.acc_dtype, device=a.device)
+    if bias is not None:
+        out.add_(bias)
     if state == "none":
-        return out
-    g = group_size
-    if M <= SMALL_M and runs == [(0, a.shape[1] // g)]:  # union is everything: mask, then dense GEMM
-        out.addmm_(a * ops.expand_mask(mask, g).to(a.dtype), w_t)
-        return out
-    if M <= SMALL_M:
+        return out.to(a.dtype)
+    if state == "dense":
+        p.acc(out, a, 0, G)
+    elif M <= SMALL_M:
         if not uniform:
             a = a * ops.expand_mask(mask, g).to(a.dtype)
-        for s, e in runs:
-            out.addmm_(a[:, s * g : e * g], w_t[s * g : e * g])
-        return out
-    order, counts = ops.group_token_lists(mask)
-    for j, n in enumerate(counts.tolist()):
-        if n == 0:
-            continue
-        aj, wj = a[:, j * g : (j + 1) * g], w_t[j * g : (j + 1) * g]
-        if n == M:
-            out.addmm_(aj, wj)
+        if runs == [(0, G)]:  # union is everything: masked activations, then dense GEMM
+            p.acc(out, a, 0, G)
         else:
-            idx = order[j, :n]
-            out.index_add_(0, idx, aj.index_select(0, idx) @ wj)
-    return out
+            for s, e in runs:
+                p.acc(out, a[:, s * g : e * g], s, e)
+    else:
+        order, counts = ops.group_token_lists(mask)
+        for j, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            aj = a[:, j * g : (j + 1) * g]
+            if n == M:
+                p.acc(out, aj, j, j + 1)
+            else:
+                idx = order[j, :n]
+                part = torch.zeros(n, p.N, dtype=p.acc_dtype, device=a.device)
+                p.acc(part, aj.index_select(0, idx), j, j + 1)
+                out.index_add_(0, idx, part)
+    return out.to(a.dtype)
 
 
 def _swiglu(gu: torch.Tensor, g: int) -> torch.Tensor:
@@ -182,94 +283,96 @@ def _swiglu(gu: torch.Tensor, g: int) -> torch.Tensor:
     return F.silu(gu[..., :g]) * gu[..., g:]
 
 
-def ffn_grouped(
-    x: torch.Tensor, w_gu: torch.Tensor, w_down_t: torch.Tensor, mask, group_size: int, plan=None
-) -> torch.Tensor:
+def ffn_proj(x: torch.Tensor, gu: Proj, down: Proj, mask, plan=None) -> torch.Tensor:
     """Routed SwiGLU FFN on the grouped layout.
 
     Args:
-        x: ``[M, D]``. w_gu: ``[G, 2g, D]`` (per group gate rows then up rows).
-        w_down_t: ``[F, D]``. mask: ``[M, G]`` bool or None. group_size: g.
+        x: ``[M, D]``. gu: axis-``n`` projection ``[G * 2g, D]`` (per group its gate rows then its
+            up rows). down: axis-``k`` projection ``[D, G * g]``. mask: ``[M, G]`` bool or None.
     Returns:
         ``[M, D]`` = ``gemm_k(gemm_mn_swiglu(x, ...), down, mask)``.
     """
-    G, g2, D = w_gu.shape
-    g = g2 // 2
+    g = down.g
+    G = down.K // g
     M = x.shape[0]
     state, runs, uniform = plan or _plan(mask)
-    if state == "dense":
-        h = _swiglu((x @ w_gu.view(-1, D).t()).view(M, G, g2), g)
-        return h.reshape(M, G * g) @ w_down_t
-    out = torch.zeros(M, w_down_t.shape[1], dtype=x.dtype, device=x.device)
+    out = torch.zeros(M, down.N, dtype=down.acc_dtype, device=x.device)
     if state == "none":
-        return out
-    if M <= SMALL_M and runs == [(0, G)]:
-        # The union of the tokens' groups is everything (typical for a decode batch): the dense
-        # GEMMs, with the skipped (token, group) activations zeroed in between.
-        h = _swiglu((x @ w_gu.view(-1, D).t()).view(M, G, g2), g) * mask[:, :, None].to(x.dtype)
-        return h.reshape(M, G * g) @ w_down_t
+        return out.to(x.dtype)
+    if state == "dense" or (M <= SMALL_M and runs == [(0, G)]):
+        # Dense, or the union of the tokens' groups is everything (typical for a decode batch):
+        # the dense GEMMs, with the skipped (token, group) activations zeroed in between.
+        h = _swiglu(gu.rows(x, 0, G * 2 * g).view(M, G, 2 * g), g)
+        if state != "dense":
+            h = h * mask[:, :, None].to(x.dtype)
+        down.acc(out, h.reshape(M, G * g), 0, G)
+        return out.to(x.dtype)
     if M <= SMALL_M:
-        # Union runs. Gate/up of all runs land in one buffer (transposed, [rows, M], so that each
-        # run's GEMM writes a contiguous block), one SwiGLU over it, then one addmm per run.
+        # Union runs: per run one gate/up GEMM, one SwiGLU over all of them, per run one down GEMM.
+        parts = [gu.rows(x, s * 2 * g, e * 2 * g) for s, e in runs]
         nact = sum(e - s for s, e in runs)
-        xt = x.t()
-        gu = torch.empty(nact * g2, M, dtype=x.dtype, device=x.device)
-        off = 0
-        for s, e in runs:
-            n = (e - s) * g2
-            torch.mm(w_gu[s:e].view(n, D), xt, out=gu[off : off + n])
-            off += n
-        gu = gu.view(nact, 2, g, M)
-        h = F.silu(gu[:, 0]) * gu[:, 1]  # [nact, g, M]
+        h = _swiglu((parts[0] if len(parts) == 1 else torch.cat(parts, 1)).view(M, nact, 2 * g), g)
         if not uniform:
             idx = torch.tensor([j for s, e in runs for j in range(s, e)], device=x.device)
-            h.mul_(mask.index_select(1, idx).t()[:, None, :].to(h.dtype))
-        h = h.view(nact * g, M)
+            h = h * mask.index_select(1, idx)[:, :, None].to(h.dtype)
+        h = h.view(M, nact * g)
         off = 0
         for s, e in runs:
-            n = (e - s) * g
-            out.addmm_(h[off : off + n].t(), w_down_t[s * g : e * g])
-            off += n
-        return out
+            down.acc(out, h[:, off : off + (e - s) * g], s, e)
+            off += (e - s) * g
+        return out.to(x.dtype)
     order, counts = ops.group_token_lists(mask)
     for j, n in enumerate(counts.tolist()):
         if n == 0:
             continue
-        wd = w_down_t[j * g : (j + 1) * g]
         if n == M:
-            out.addmm_(_swiglu(x @ w_gu[j].t(), g), wd)
+            down.acc(out, _swiglu(gu.rows(x, j * 2 * g, (j + 1) * 2 * g), g), j, j + 1)
         else:
             idx = order[j, :n]
-            h = _swiglu(x.index_select(0, idx) @ w_gu[j].t(), g)  # [n, g], kept compact
-            out.index_add_(0, idx, h @ wd)
-    return out
+            h = _swiglu(gu.rows(x.index_select(0, idx), j * 2 * g, (j + 1) * 2 * g), g)  # [n, g], compact
+            part = torch.zeros(n, down.N, dtype=down.acc_dtype, device=x.device)
+            down.acc(part, h, j, j + 1)
+            out.index_add_(0, idx, part)
+    return out.to(x.dtype)
+
+
+def grouped_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[F, D]`` gate and up -> ``[2F, D]`` group-major: per group its gate rows, then its up rows
+    (a run of adjacent groups is one contiguous block; one GEMM yields both halves)."""
+    F_, D = w_gate.shape
+    G = F_ // group_size
+    return torch.stack([w_gate.reshape(G, group_size, D), w_up.reshape(G, group_size, D)], dim=1).reshape(2 * F_, D)
 
 
 # ----------------------------------------------------------------------------------------------
 # the operator contract (ops.py signatures, HF weight layout); used by tests and by callers that
-# hold HF-layout weights. The backend itself calls the *_rows / ffn_grouped forms above.
+# hold HF-layout weights. These entry points lay the weights out on every call (a copy); the
+# backend does that once at load.
+
+
+def _float_proj(w, axis, g=None) -> Proj:
+    return Proj(w, axis, "float", w.dtype, w.device, Counter(), g)
 
 
 def gemm_mn(a, w, mask, group_size, bias=None):
     """Work-skipping ``ops.gemm_mn`` (same signature and result)."""
-    return gemm_mn_rows(a, w, mask, group_size, bias)
+    return gemm_mn_proj(a, _float_proj(w, "n"), mask, group_size, bias)
 
 
 def gemm_k(a, w, mask, group_size, bias=None):
-    """Work-skipping ``ops.gemm_k``; ``w [N, K]`` is used through a transposed view."""
-    return gemm_k_rows(a, w.t(), mask, group_size, bias)
+    """Work-skipping ``ops.gemm_k``."""
+    return gemm_k_proj(a, _float_proj(w, "k", group_size), mask, bias)
 
 
 def gemm_mn_swiglu(a, w_gate, w_up, mask, group_size):
-    """Work-skipping ``ops.gemm_mn_swiglu``. This entry point regroups the weights on every call
-    (a copy); the backend does that once at load."""
-    N, K = w_gate.shape
+    """Work-skipping ``ops.gemm_mn_swiglu``."""
+    N = w_gate.shape[0]
     G, g = N // group_size, group_size
-    w_gu = torch.stack([w_gate.reshape(G, g, K), w_up.reshape(G, g, K)], dim=1).view(G, 2 * g, K)
+    p = _float_proj(grouped_gate_up(w_gate, w_up, g), "n")
     state = _mask_state(mask)
     M = a.shape[0]
     if state == "dense":
-        return _swiglu((a @ w_gu.view(-1, K).t()).view(M, G, 2 * g), g).reshape(M, N)
+        return _swiglu(p.rows(a, 0, 2 * N).view(M, G, 2 * g), g).reshape(M, N)
     out = torch.zeros(M, N, dtype=a.dtype, device=a.device)
     if state == "none":
         return out
@@ -277,7 +380,7 @@ def gemm_mn_swiglu(a, w_gate, w_up, mask, group_size):
     for j, n in enumerate(counts.tolist()):
         if n:
             idx = order[j, :n]
-            out[:, j * g : (j + 1) * g].index_copy_(0, idx, _swiglu(a.index_select(0, idx) @ w_gu[j].t(), g))
+            out[:, j * g : (j + 1) * g].index_copy_(0, idx, _swiglu(p.rows(a.index_select(0, idx), 2 * j * g, 2 * (j + 1) * g), g))
     return out
 
 
@@ -304,8 +407,9 @@ def _sdpa_heads(q, k, v, h0: int, h1: int, hpk: int, attn_mask, scale: float):
     )
 
 
-def attention_prefill(q, k, v, head_mask, *, key_valid=None, q_offset=0, scale, window=None):
-    """Work-skipping ``ops.attention_prefill`` (same signature and result)."""
+def attention_prefill(q, k, v, head_mask, *, key_valid=None, q_offset=0, scale, window=None, counter=None):
+    """Work-skipping ``ops.attention_prefill`` (same signature and result); ``counter`` (a
+    ``Counter``) receives the multiply-adds of the SDPA calls issued."""
     B, T, H, d = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     hpk = H // Hkv
@@ -316,12 +420,16 @@ def attention_prefill(q, k, v, head_mask, *, key_valid=None, q_offset=0, scale, 
     if state == "dense":
         if all_valid and window is None and q_offset == 0 and S == T:
             out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=hpk > 1)
+            if counter is not None:  # causal: query t reads t + 1 keys
+                counter.attn_macs += B * H * d * 2 * (T * (T + 1) // 2)
             return out.transpose(1, 2)
         vis = ops.key_visibility(B, T, S, q_offset, key_valid, window, q.device)  # [B, T, S]
         out = F.scaled_dot_product_attention(
             qt, kt, vt, attn_mask=vis[:, None], scale=scale, enable_gqa=hpk > 1
         )
         out = torch.where(vis.any(-1)[:, None, :, None], out, torch.zeros((), dtype=out.dtype))
+        if counter is not None:  # a masked SDPA computes every (query, key) pair
+            counter.attn_macs += B * H * d * 2 * T * S
         return out.transpose(1, 2)
     out = torch.zeros(B, T, H, d, dtype=q.dtype, device=q.device)
     if state == "none":
@@ -350,6 +458,8 @@ def attention_prefill(q, k, v, head_mask, *, key_valid=None, q_offset=0, scale, 
                     vis = vis & key_valid[b, None, :Sc]
                 qsel = qt[b, h:e].index_select(1, ci)[None]  # [1, e-h, n, d]
                 o = _sdpa_heads(qsel, kt[b : b + 1, :, :Sc], vt[b : b + 1, :, :Sc], h, e, hpk, vis[None, None], scale)
+                if counter is not None:
+                    counter.attn_macs += (e - h) * d * 2 * ci.numel() * Sc
                 o = torch.where(vis.any(-1)[None, None, :, None], o, torch.zeros((), dtype=o.dtype))
                 out[b, :, h:e].index_copy_(0, ci, o[0].transpose(0, 1))
             h = e
@@ -381,10 +491,11 @@ def _decode_heads(q, k, v, h0: int, h1: int, hpk: int, vis, scale: float):
 DENSE_DECODE_KV_BYTES = 192 * 3 * 64 * 4 * 2
 
 
-def attention_decode(q, k_cache, v_cache, head_mask, key_valid, *, scale, window=None):
+def attention_decode(q, k_cache, v_cache, head_mask, key_valid, *, scale, window=None, counter=None):
     """Work-skipping ``ops.attention_decode``: only KV heads of active head runs are read (for
     ``B > 1``, the union of the rows' active heads; other rows' skipped heads are zeroed). Short
-    caches (``DENSE_DECODE_KV_BYTES``) are read whole; skipped heads are still exact zeros."""
+    caches (``DENSE_DECODE_KV_BYTES``) are read whole; skipped heads are still exact zeros.
+    ``counter`` (a ``Counter``) receives the multiply-adds of the heads computed."""
     B, H, d = q.shape
     Hkv = k_cache.shape[1]
     S = key_valid.shape[1]
@@ -401,12 +512,16 @@ def attention_decode(q, k_cache, v_cache, head_mask, key_valid, *, scale, window
     short = state == "sparse" and B * Hkv * S * d * q.element_size() * 2 <= DENSE_DECODE_KV_BYTES
     if state == "dense" or short:
         out = _decode_heads(q, kt, vt, 0, H, hpk, vis, scale)
+        if counter is not None:
+            counter.attn_macs += B * H * d * 2 * S
     else:
         out = torch.zeros(B, H, d, dtype=q.dtype, device=q.device)
         if B > SMALL_M:
             runs, uniform = _runs(head_mask.any(dim=0).tolist()), False
         for h0, h1 in runs:
             out[:, h0:h1] = _decode_heads(q[:, h0:h1], kt, vt, h0, h1, hpk, vis, scale)
+            if counter is not None:
+                counter.attn_macs += B * (h1 - h0) * d * 2 * S
     if need_mask:
         out = torch.where(vis[:, 0, 0].any(-1)[:, None, None], out, zero)
     if short or not uniform:
@@ -420,107 +535,53 @@ def attention_decode(q, k_cache, v_cache, head_mask, key_valid, *, scale, window
 
 @dataclass
 class _CpuLayer:
-    wqkv: torch.Tensor  # [(H + 2 H_kv) d, D]
+    qkv: Proj  # axis n, [(H + 2 H_kv) d, D]: Q rows (head groups) then K, V rows
     bqkv: torch.Tensor | None
     q_rows: int  # H d
-    wo_t: torch.Tensor  # [H d, D]
+    o: Proj  # axis k, groups of attn_cols
     bo: torch.Tensor | None
-    w_gu: torch.Tensor  # [G_f, 2 g, D]
-    w_down_t: torch.Tensor  # [F, D]
+    gu: Proj  # axis n, [G_f 2 g, D] group-major gate | up
+    down: Proj  # axis k, groups of ffn_group_size
     attn_cols: int  # heads per group * d
     ffn_group_size: int
-    # Weight views of runs of groups, built on first use (at most G (G + 1) / 2 per table): the
-    # decode hot path then calls one BLAS routine per run and slices nothing.
-    _views: dict = field(default_factory=dict, repr=False)
 
-    def view(self, kind: str, s: int, e: int):
-        key = (kind, s, e)
-        v = self._views.get(key)
-        if v is None:
-            c, g = self.attn_cols, self.ffn_group_size
-            if kind == "q":  # (W [n, D], bias [n] or None) for addmv
-                b = None if self.bqkv is None else self.bqkv[s * c : e * c]
-                v = (self.wqkv[s * c : e * c], b)
-            elif kind == "kv":  # dense K/V rows: (W [2 H_kv d, D], bias or None)
-                nq = self.q_rows
-                v = (self.wqkv[nq:], None if self.bqkv is None else self.bqkv[nq:])
-            elif kind == "o":  # [D, n] for addmv
-                v = self.wo_t[s * c : e * c].t()
-            elif kind == "gu":  # [n, D]
-                v = self.w_gu[s:e].view(-1, self.w_gu.shape[2])
-            else:  # "down": [D, n]
-                v = self.w_down_t[s * g : e * g].t()
-            self._views[key] = v
-        return v
-
-
-def _attn_in_one(p: _CpuLayer, x: torch.Tensor, runs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Routed Q + dense K/V for one token (``x [1, D]``): one GEMV per run of head groups."""
-    nq = p.q_rows
-    xv = x.reshape(-1)
-    wkv, bkv = p.view("kv", 0, 0)
-    kv = torch.mv(wkv, xv) if bkv is None else torch.addmv(bkv, wkv, xv)
-    q = torch.zeros(nq, dtype=x.dtype, device=x.device)
-    c = p.attn_cols
-    for s, e in runs:
-        w, b = p.view("q", s, e)
-        if b is None:
-            torch.mv(w, xv, out=q[s * c : e * c])
-        else:
-            torch.addmv(b, w, xv, out=q[s * c : e * c])
-    nkv = kv.shape[0] // 2
-    return q.view(1, -1), kv[:nkv].view(1, -1), kv[nkv:].view(1, -1)
-
-
-def _attn_out_one(p: _CpuLayer, o: torch.Tensor, runs) -> torch.Tensor:
-    """O projection of one token over the active runs of head groups: ``o [1, H d] -> [1, D]``."""
-    D = p.wo_t.shape[1]
-    out = torch.zeros(D, dtype=o.dtype, device=o.device) if p.bo is None else p.bo.clone()
-    ov = o.reshape(-1)
-    c = p.attn_cols
-    for s, e in runs:
-        out.addmv_(p.view("o", s, e), ov[s * c : e * c])
-    return out.view(1, D)
-
-
-def _ffn_one(p: _CpuLayer, x: torch.Tensor, runs) -> torch.Tensor:
-    """Routed SwiGLU FFN of one token: per run one GEMV into a shared gate/up buffer, one SwiGLU,
-    per run one GEMV of the down projection. ``x [1, D] -> [1, D]``."""
-    g = p.ffn_group_size
-    D = p.w_gu.shape[2]
-    sizes = [e - s for s, e in runs]
-    nact = sum(sizes)
-    xv = x.reshape(-1)
-    gu = torch.empty(nact * 2 * g, dtype=x.dtype, device=x.device)
-    for (s, e), piece in zip(runs, gu.split([k * 2 * g for k in sizes])):
-        torch.mv(p.view("gu", s, e), xv, out=piece)
-    gu = gu.view(nact, 2, g)
-    h = (F.silu(gu[:, 0]) * gu[:, 1]).view(-1)
-    out = torch.zeros(D, dtype=x.dtype, device=x.device)
-    for (s, e), piece in zip(runs, h.split([k * g for k in sizes])):
-        out.addmv_(p.view("down", s, e), piece)
-    return out.view(1, D)
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in (self.qkv, self.o, self.gu, self.down))
 
 
 class CpuBackend:
-    """Skips routed work on CPU (see the module docstring for layout and strategy)."""
+    """Skips routed work on CPU (see the module docstring for layout and strategy).
+
+    Args:
+        device: ``cpu``.
+        weights: weight format, ``fp32``, ``bf16`` or ``int8`` (``runtime/quant.py``); the
+            activations are fp32 for fp32 weights and bf16 otherwise.
+
+    Attributes:
+        counter: ``Counter`` of executed multiply-adds (and, when tracing, weight reads).
+    """
 
     name = "cpu"
+    skips_work = True
 
-    def __init__(self, device: str | torch.device = "cpu"):
+    def __init__(self, device: str | torch.device = "cpu", weights: str = "fp32"):
+        from wide_cli.runtime.quant import check_format
+
         self.device = torch.device(device)
         if self.device.type != "cpu":
             from wide_cli.errors import ConfigError
 
             raise ConfigError(f"backend 'cpu' runs on the CPU, not {self.device}", "use --backend cupy on a GPU")
+        self.weights = check_format(weights)
+        self.counter = Counter()
 
     def prepare_layer(self, layer: LayerWeights, dtype: torch.dtype) -> _CpuLayer:
         def t(x):
             return x.to(device=self.device, dtype=dtype)
 
-        D = layer.wq.shape[1]
+        fmt, dev, c = self.weights, self.device, self.counter
         g = layer.ffn_group_size
-        G = layer.intermediate_size // g
+        i = layer.index
         bqkv = None
         if any(b is not None for b in (layer.bq, layer.bk, layer.bv)):
             parts = [
@@ -528,51 +589,59 @@ class CpuBackend:
                 for b, w in ((layer.bq, layer.wq), (layer.bk, layer.wk), (layer.bv, layer.wv))
             ]
             bqkv = t(torch.cat(parts)).contiguous()
-        w_gu = torch.stack([t(layer.w_gate).view(G, g, D), t(layer.w_up).view(G, g, D)], dim=1)
+        cols = layer.attn_group_size * layer.head_dim
         return _CpuLayer(
-            wqkv=t(torch.cat([layer.wq, layer.wk, layer.wv])).contiguous(),
+            qkv=Proj(torch.cat([layer.wq, layer.wk, layer.wv]), "n", fmt, dtype, dev, c,
+                     what=f"layer {i} q/k/v (hidden size)"),
             bqkv=bqkv,
             q_rows=layer.wq.shape[0],
-            wo_t=t(layer.wo).t().contiguous(),
+            o=Proj(layer.wo, "k", fmt, dtype, dev, c, g=cols, what=f"layer {i} o_proj (attention group of {cols} channels)"),
             bo=None if layer.bo is None else t(layer.bo).contiguous(),
-            w_gu=w_gu.reshape(G, 2 * g, D).contiguous(),
-            w_down_t=t(layer.w_down).t().contiguous(),
-            attn_cols=layer.attn_group_size * layer.head_dim,
+            gu=Proj(grouped_gate_up(layer.w_gate, layer.w_up, g), "n", fmt, dtype, dev, c,
+                    what=f"layer {i} gate/up (hidden size)"),
+            down=Proj(layer.w_down, "k", fmt, dtype, dev, c, g=g, what=f"layer {i} down_proj (FFN group size)"),
+            attn_cols=cols,
             ffn_group_size=g,
-        )
+        )  # fmt: skip
+
+    def prepare_head(self, w: torch.Tensor, dtype: torch.dtype) -> Proj:
+        """The LM head ``[V, D]`` in this backend's weight format."""
+        return Proj(w, "n", self.weights, dtype, self.device, self.counter, what="lm_head (hidden size)")
+
+    def head(self, p: Proj, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``x [M, D] -> [M, V]`` in the compute dtype."""
+        return p.rows(x, 0, p.N)
 
     def attn_in(self, p: _CpuLayer, x, mask):
         nq = p.q_rows
         plan = _plan(mask)
-        if plan[0] == "sparse" and x.shape[0] == 1:
-            return _attn_in_one(p, x, plan[1])
         if plan[0] == "dense":
-            qkv = F.linear(x, p.wqkv, p.bqkv)
+            qkv = p.qkv.rows(x, 0, p.qkv.N)
+            if p.bqkv is not None:
+                qkv.add_(p.bqkv)
             kv = qkv[:, nq:]
             nkv = kv.shape[1] // 2
             return qkv[:, :nq], kv[:, :nkv], kv[:, nkv:]
         bq = bkv = None
         if p.bqkv is not None:
             bq, bkv = p.bqkv[:nq], p.bqkv[nq:]
-        kv = F.linear(x, p.wqkv[nq:], bkv)  # dense: every token's K/V (B06)
-        q = gemm_mn_rows(x, p.wqkv[:nq], mask, p.attn_cols, bq, plan)
+        kv = p.qkv.rows(x, nq, p.qkv.N)  # dense: every token's K/V (B06)
+        if bkv is not None:
+            kv.add_(bkv)
+        q = gemm_mn_proj(x, p.qkv, mask, p.attn_cols, bq, plan)
         nkv = kv.shape[1] // 2
         return q, kv[:, :nkv], kv[:, nkv:]
 
     def attn_out(self, p: _CpuLayer, o, mask):
-        plan = _plan(mask)
-        if plan[0] == "sparse" and o.shape[0] == 1:
-            return _attn_out_one(p, o, plan[1])
-        return gemm_k_rows(o, p.wo_t, mask, p.attn_cols, p.bo, plan)
+        return gemm_k_proj(o, p.o, mask, p.bo, _plan(mask))
 
     def mlp(self, p: _CpuLayer, x, mask):
-        plan = _plan(mask)
-        if plan[0] == "sparse" and x.shape[0] == 1:
-            return _ffn_one(p, x, plan[1])
-        return ffn_grouped(x, p.w_gu, p.w_down_t, mask, p.ffn_group_size, plan)
+        return ffn_proj(x, p.gu, p.down, mask, _plan(mask))
 
     def attention_prefill(self, q, k, v, head_mask, *, key_valid, q_offset, scale, window):
-        return attention_prefill(q, k, v, head_mask, key_valid=key_valid, q_offset=q_offset, scale=scale, window=window)
+        return attention_prefill(q, k, v, head_mask, key_valid=key_valid, q_offset=q_offset, scale=scale,
+                                 window=window, counter=self.counter)  # fmt: skip
 
     def attention_decode(self, q, k_cache, v_cache, head_mask, key_valid, *, scale, window):
-        return attention_decode(q, k_cache, v_cache, head_mask, key_valid, scale=scale, window=window)
+        return attention_decode(q, k_cache, v_cache, head_mask, key_valid, scale=scale, window=window,
+                                counter=self.counter)  # fmt: skip

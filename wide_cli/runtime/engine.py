@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from wide_cli.runtime.backend import (
     Backend,
+    Counter,
     LayerWeights,
     ModelWeights,
     get_backend,
@@ -31,6 +32,7 @@ from wide_cli.runtime.backend import (
     weights_from_tensors,
 )
 from wide_cli.runtime.kv_cache import KVCache
+from wide_cli.errors import ConfigError
 from wide_cli.runtime.sampling import Sampler, SamplingConfig, TextTracker
 
 MODULES = ("attention", "ffn")
@@ -153,6 +155,7 @@ class _LayerMeta:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     routers: dict  # module -> (w [G, D], b [G]) fp32 from _fold_router, or None
+    standins: dict  # module -> [G, D] fp32 stand-in of each skipped group, or None
     keeps: dict  # module -> [G] bool, or None
     window: int | None
 
@@ -232,48 +235,97 @@ class Runtime:
         dtype: torch.dtype | str | None = None,
         tokenizer=None,
         routing: bool = True,
+        weight_format: str | None = None,
     ):
         from wide_cli.models.loader import resolve_dtype
+        from wide_cli.runtime.quant import COMPUTE_DTYPE, check_format
 
-        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        fmt = weight_format or weights.extra.get("weight_format")
+        if fmt is not None:
+            fmt = check_format(fmt)
+            want = COMPUTE_DTYPE[fmt]
+            if dtype is not None and resolve_dtype(dtype) != want:
+                from wide_cli.errors import ConfigError
+
+                raise ConfigError(
+                    f"--weights {fmt} computes in {str(want).removeprefix('torch.')}, not {dtype}",
+                    "drop --dtype (the weight format sets it)",
+                )
+            dtype = want
+        if isinstance(backend, str):
+            backend = get_backend(backend)
+        self.backend = backend
         dev = self.backend.device
         self.device = dev
         self.dtype = resolve_dtype(dtype, dev)
+        if fmt is None:
+            fmt = "bf16" if self.dtype == torch.bfloat16 else "fp32"
+        self.weight_format = fmt
+        if hasattr(self.backend, "weights"):
+            self.backend.weights = fmt
+        elif fmt == "int8":
+            # Backends without int8 kernels run the same int8 weights dequantized (the oracle of
+            # the cpu backend's int8 kernels).
+            weights = fake_quantize(weights)
         self.tokenizer = tokenizer
         self.routing = routing
         self.forced: dict[tuple[int, str], torch.Tensor] = {}
         self.eps = weights.rms_eps
         self.eos_token_ids = tuple(weights.eos_token_ids)
         self.vocab_size = weights.embed.shape[0]
-        self.embed = weights.embed.to(dev, self.dtype)
+        self.hidden_size = weights.embed.shape[1]
+        embed = weights.embed
+        if fmt == "int8":  # the embedding rows an int8 export stores (per-row int8), for lookups too
+            from wide_cli.runtime.quant import dequantize_int8, quantize_int8
+
+            embed = dequantize_int8(*quantize_int8(embed))
+        self.embed = embed.to(dev, self.dtype)
+        self.counter = getattr(self.backend, "counter", None) or Counter()
+        # The LM head in the backend's weight format when it has one (int8 on cpu), else dense.
+        self.head = None
+        self.max_positions = weights.max_positions
         self.lm_head = self.embed if weights.tied else weights.lm_head.to(dev, self.dtype)
+        if hasattr(self.backend, "prepare_head"):
+            # float formats keep sharing the tied embedding (the Proj holds the same tensor)
+            if fmt == "int8":  # quantized from the stored float values, not from their bf16 copy
+                self.head = self.backend.prepare_head(embed if weights.tied else weights.lm_head, self.dtype)
+                self.lm_head = None
+            else:
+                self.head = self.backend.prepare_head(self.lm_head, self.dtype)
         self.final_norm = weights.final_norm.to(dev, self.dtype)
         self.inv_freq = weights.inv_freq.to(dev, torch.float32)
         self.rope_scale = float(weights.rope_scale)
         self.meta = [self._meta(lw) for lw in weights.layers]
         self.layers = [self.backend.prepare_layer(lw, self.dtype) for lw in weights.layers]
         self.stats = SparsityStats(len(self.layers), dev)
+        self.layer_shapes = [(lw.num_heads, lw.num_kv_heads, lw.head_dim, lw.intermediate_size) for lw in weights.layers]
 
     # ------------------------------------------------------------------------------------------
     # construction
 
     @classmethod
     def from_export(cls, path, *, backend: Backend | str = "cpu", dtype=None, routing: bool = True,
-                    verify: bool = True, allow_extra: bool = False) -> Runtime:
+                    verify: bool = True, allow_extra: bool = False, weight_format: str | None = None) -> Runtime:
         """Load an export directory (manifest verified first, strict tensor names; B14, B30).
+
+        ``weight_format`` (``fp32``, ``bf16``, ``int8``) defaults to the export's stored format
+        (``fp32`` for a float export, unless ``dtype`` is bf16).
 
         Raises:
             CheckpointError: missing/corrupt files, missing or unexpected tensors (listed),
-                shapes that do not fit together, an untied model without ``lm_head.weight``.
+                shapes that do not fit together, an untied model without ``lm_head.weight``,
+                a quantized weight without its scale tensor (or with a mismatched one).
+            ConfigError: an unknown weight format, int8 for widths the kernel cannot take.
         """
         from wide_cli.models.loader import load_tokenizer
 
         weights = weights_from_export(Path(path), verify=verify, allow_extra=allow_extra)
         tok = load_tokenizer(path)
-        return cls(weights, backend, dtype=dtype, tokenizer=tok, routing=routing)
+        return cls(weights, backend, dtype=dtype, tokenizer=tok, routing=routing, weight_format=weight_format)
 
     @classmethod
-    def from_target(cls, target, *, backend: Backend | str = "cpu", dtype=None, routing: bool = True) -> Runtime:
+    def from_target(cls, target, *, backend: Backend | str = "cpu", dtype=None, routing: bool = True,
+                    weight_format: str | None = None) -> Runtime:
         """An export directory (``from_export``), or any model spec ``load_model`` accepts (alias
         such as ``smollm2-135m``, local Hugging Face directory, ``.gguf``), run dense.
 
@@ -283,24 +335,28 @@ class Runtime:
         from wide_cli.export import is_export
 
         if is_export(target):
-            return cls.from_export(target, backend=backend, dtype=dtype, routing=routing)
+            return cls.from_export(target, backend=backend, dtype=dtype, routing=routing, weight_format=weight_format)
         from wide_cli.models.loader import load_model
 
         lm = load_model(str(target), dtype=torch.float32)
-        return cls.from_model(lm.model, lm.tokenizer, backend=backend, dtype=dtype or torch.float32, routing=False)
+        if weight_format is None:
+            dtype = dtype or torch.float32
+        return cls.from_model(lm.model, lm.tokenizer, backend=backend, dtype=dtype, routing=False,
+                              weight_format=weight_format)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, *, backend: Backend | str = "cpu", dtype=None,
-                   routing: bool | None = None) -> Runtime:
+                   routing: bool | None = None, weight_format: str | None = None) -> Runtime:
         """Read an in-memory Hugging Face model (routed by ``attach_routers`` or plain).
 
         ``routing=None`` follows the model: routed unless it has no routers or its routing mode
         is ``dense``. The dtype defaults to the model's.
         """
         weights, routed = weights_from_model(model)
-        if dtype is None:
+        if dtype is None and weight_format is None:
             dtype = next(model.parameters()).dtype
-        return cls(weights, backend, dtype=dtype, tokenizer=tokenizer, routing=routed if routing is None else routing)
+        return cls(weights, backend, dtype=dtype, tokenizer=tokenizer, routing=routed if routing is None else routing,
+                   weight_format=weight_format)
 
     @classmethod
     def from_tensors(cls, config, tensors: dict, *, routers: dict | None = None, wide_config: dict | None = None,
@@ -339,6 +395,8 @@ class Runtime:
             q_norm=None if lw.q_norm is None else lw.q_norm.to(dev, self.dtype),
             k_norm=None if lw.k_norm is None else lw.k_norm.to(dev, self.dtype),
             routers={"attention": r(lw.router_attention), "ffn": r(lw.router_ffn)},
+            standins={mod: None if rw is None or rw.standin is None else rw.standin.to(dev, torch.float32)
+                      for mod, rw in (("attention", lw.router_attention), ("ffn", lw.router_ffn))},
             keeps={"attention": k(lw.keep_attention), "ffn": k(lw.keep_ffn)},
             window=lw.window,
         )  # fmt: skip
@@ -372,6 +430,7 @@ class Runtime:
             # fp32 router, as trained: execute iff logit0 >= logit1. The router has no activation,
             # so logit0 - logit1 is one affine map of x, folded at load (see ``_fold_router``).
             w, b = m.routers[module]
+            self.counter.router_macs += B * T * w.numel()
             xf = x if x.dtype == torch.float32 else x.float()
             if B * T == 1:
                 ex = (torch.addmv(b, w, xf.view(-1)) >= 0).view(1, 1, G)
@@ -414,10 +473,12 @@ class Runtime:
                 q, kk, vv, head_mask, key_valid=ctx.key_valid, q_offset=ctx.start, scale=scale, window=m.window
             )
         x = x + be.attn_out(p, o.reshape(M, H * d), mflat).view(B, T, D)
+        x = _add_standin(x, ex, m.standins["attention"])
         # --- FFN: router on the residual stream after the attention add
         ex = self._decide(m, "ffn", x, ctx)
         h = rms_norm(x, m.ln_ffn, self.eps).reshape(M, D)
-        return x + be.mlp(p, h, None if ex is None else ex.reshape(M, -1)).view(B, T, D)
+        x = x + be.mlp(p, h, None if ex is None else ex.reshape(M, -1)).view(B, T, D)
+        return _add_standin(x, ex, m.standins["ffn"])
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, valid: torch.Tensor | None, cache: KVCache, *,
@@ -461,7 +522,11 @@ class Runtime:
             last = torch.where(last < 0, T - 1, last)
             x = x[torch.arange(B, device=self.device), last][:, None]  # [B, 1, D]
         x = rms_norm(x, self.final_norm, self.eps)
-        out = F.linear(x, self.lm_head).float()
+        if self.head is not None:
+            out = self.backend.head(self.head, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1).float()
+        else:
+            self.counter.macs += x.shape[0] * x.shape[1] * self.lm_head.numel()
+            out = F.linear(x, self.lm_head).float()
         return out[:, 0] if logits == "last" else out
 
     def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor | None, cache: KVCache, *,
@@ -543,14 +608,22 @@ class Runtime:
             prefill_chunk: prompt tokens per forward (bounds activation memory of long prompts;
                 None = the whole prompt at once). Results do not depend on it.
         """
+        from wide_cli.models.arch import check_context
+
         sampling = sampling or SamplingConfig()
         if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens {max_new_tokens} must be >= 1")
+            raise ConfigError(f"--max-new-tokens {max_new_tokens} must be >= 1", "ask for at least one new token")
         if not prompts:
             raise ValueError("no prompts")
         ids = self._encode(prompts)
         if any(len(p) == 0 for p in ids):
             raise ValueError("empty prompt (no tokens)")
+        longest = max(len(p) for p in ids)
+        check_context(longest, self.max_positions, f"a prompt of {longest} tokens",
+                      "shorten the prompt (or use a model with a longer context)")
+        check_context(longest + max_new_tokens, self.max_positions,
+                      f"a prompt of {longest} tokens + --max-new-tokens {max_new_tokens} = {longest + max_new_tokens} tokens",
+                      f"lower --max-new-tokens to {(self.max_positions or 0) - longest} or shorten the prompt")
         input_ids, valid = self.batch(ids, padding_side)
         B, T = input_ids.shape
         cache = self.new_cache(B, T + max_new_tokens)
@@ -602,6 +675,35 @@ class Runtime:
             new_tokens=sum(len(t) for t in out_tokens), prefill_s=t_prefill, decode_s=t_decode,
             sparsity=self.stats.summary(),
         )  # fmt: skip
+
+
+def _add_standin(x: torch.Tensor, execute: torch.Tensor | None, standin: torch.Tensor | None) -> torch.Tensor:
+    """``x [B, T, D] + (~execute) @ standin`` (fp32 product, like the routed HF layer), or ``x``
+    untouched when the module has no stand-ins or ran dense."""
+    if standin is None or execute is None:
+        return x
+    return x + ((~execute).to(torch.float32) @ standin).to(x.dtype)
+
+
+def fake_quantize(weights: ModelWeights) -> ModelWeights:
+    """A copy of ``weights`` whose projections and LM head hold the values the int8 kernels use
+    (``dequantize(quantize(w))`` with the cpu backend's grouping: per row for Q/K/V, gate/up and
+    the LM head, per row and routed group for O and down; the embedding is handled by Runtime)."""
+    import dataclasses
+
+    from wide_cli.runtime.quant import dequantize_int8, quantize_int8
+
+    def fq(w, gk=None):
+        return dequantize_int8(*quantize_int8(w, gk))
+
+    layers = []
+    for lw in weights.layers:
+        cols = lw.attn_group_size * lw.head_dim
+        layers.append(dataclasses.replace(
+            lw, wq=fq(lw.wq), wk=fq(lw.wk), wv=fq(lw.wv), wo=fq(lw.wo, cols), w_gate=fq(lw.w_gate),
+            w_up=fq(lw.w_up), w_down=fq(lw.w_down, lw.ffn_group_size),
+        ))  # fmt: skip
+    return dataclasses.replace(weights, layers=layers, lm_head=fq(weights.lm_head), tied=False)
 
 
 def _fold_router(rw) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,6 +75,20 @@ def wrap(model, device: str):
     return torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
 
 
+def without_option(argv: list[str], name: str) -> list[str]:
+    """``argv`` without the option ``name`` and its value, in either form (``--nproc 2`` or
+    ``--nproc=2``); everything else keeps its order."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
+
+
 def relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
     """Re-execute ``wide <argv>`` under ``torch.distributed.run`` with ``nproc`` processes and
     return its exit code (the ``--nproc`` shortcut)."""

@@ -25,14 +25,20 @@ def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
     return vals
 
 
+def _words(text: str | None) -> tuple[str, ...] | None:
+    return None if text is None else tuple(s.strip() for s in text.split(",") if s.strip())
+
+
 def bench_table(doc: dict):
     """The Rich table of a bench report (``BenchReport.to_dict()``)."""
     from rich.table import Table
 
-    t = Table(title=f"wide bench: {doc['export']} ({doc['environment'].get('dtype')}, "
-                    f"{doc['environment'].get('threads')} threads)")  # fmt: skip
-    for col in ("shape", "system", "tokens/s", "ms", "x HF", "x dense", "ideal", "sparsity a/f", "GB/s"):
-        t.add_column(col, justify="left" if col in ("shape", "system") else "right")
+    env = doc["environment"]
+    t = Table(title=f"wide bench: {doc['export']} (weights {','.join(env.get('weights') or [])}; "
+                    f"threads {','.join(map(str, env.get('threads') or []))})")  # fmt: skip
+    cols = ("shape", "threads", "system", "tokens/s", "ms", "x HF", "x dense", "skips", "MACs", "ideal", "sparsity a/f")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("shape", "system", "skips") else "right")
     last = None
     for r in doc["results"]:
         shape = (
@@ -40,18 +46,21 @@ def bench_table(doc: dict):
         )
         sp = r["measured_sparsity"]
         f = lambda v, n=2: "-" if v is None else f"{v:.{n}f}"
+        key = (shape, r.get("threads"))
         t.add_row(
-            shape if shape != last else "",
+            shape if key != last else "",
+            str(r.get("threads")) if key != last else "",
             r["system"],
             f(r["tokens_per_s"], 1),
             f(r["ms_per_step"], 1),
             f(r["speedup_vs_hf"]),
             f(r["speedup_vs_dense"]),
+            "yes" if r.get("skips_work") else "no",
+            f(r.get("executed_mac_fraction")),
             f(r["ideal_speedup"]),
             "-" if not sp else f"{f(sp.get('attention'))}/{f(sp.get('ffn'))}",
-            f(r["weight_gb_per_s"], 1),
         )
-        last = shape
+        last = key
     return t
 
 
@@ -63,10 +72,15 @@ def bench_cmd(
     decode_prompt_len: Annotated[int | None, typer.Option("--decode-prompt-len", help="Prompt tokens before decoding (default 64).")] = None,
     repeats: Annotated[int | None, typer.Option("--repeats", help="Timed rounds; the median is reported (default 3).")] = None,
     warmup: Annotated[int | None, typer.Option("--warmup", help="Untimed rounds first (default 1).")] = None,
-    systems: Annotated[str | None, typer.Option("--systems", help="hf,dense,reference,cpu (and cupy on a GPU).")] = None,
+    systems: Annotated[str | None, typer.Option("--systems", help="hf,dense,reference,cpu,llama.cpp (and cupy on a GPU).")] = None,
     dense_backend: Annotated[str | None, typer.Option("--dense-backend", help="Backend of the `dense` system (default cpu).")] = None,
-    dtype: Annotated[str | None, typer.Option("--dtype", help="fp32 | bf16 (default fp32).")] = None,
-    threads: Annotated[int | None, typer.Option("--threads", help="Torch CPU threads for every system (default 1, reproducible on shared CPUs; 0 = torch's default).")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="fp32 | bf16 (default fp32; shorthand for --weights).")] = None,
+    weights: Annotated[str | None, typer.Option("--weights", help="Runtime weight formats, e.g. fp32,bf16,int8 (default fp32).")] = None,
+    threads: Annotated[str | None, typer.Option("--threads", help="CPU threads for every system, e.g. 1,2 (each measured in turn; default 1, reproducible on shared CPUs; 0 = torch's default).")] = None,
+    llama_cpp_types: Annotated[str | None, typer.Option("--llama-cpp-types", help="GGUF types of the llama.cpp rows (default F16,Q8_0).")] = None,
+    ppl_tokens: Annotated[int | None, typer.Option("--ppl-tokens", help="Also score this many WikiText-2 test tokens per runtime format (needs --data-dir).")] = None,
+    ppl_seq_len: Annotated[int | None, typer.Option("--ppl-seq-len", help="Perplexity window (default 512).")] = None,
+    data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Folder holding wikitext-2-raw/ (for --ppl-tokens).")] = None,
     forced_sparsity: Annotated[float | None, typer.Option("--forced-sparsity", help="Replace routers by random masks skipping this fraction (label the results).")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Prompt offsets and forced masks (default 0).")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="Small shapes, one round (explicit flags still win).")] = False,
@@ -76,7 +90,7 @@ def bench_cmd(
     """Benchmark EXPORT: prefill and decode tokens/s for dense HF, the runtime's dense mode and
     the routed backends, with speedups, measured sparsity and the ideal bound."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.runtime.bench import BenchConfig, run_bench
 
     quiet_libraries()
@@ -87,10 +101,15 @@ def bench_cmd(
         "decode_prompt_len": decode_prompt_len,
         "repeats": repeats,
         "warmup": warmup,
-        "systems": None if systems is None else tuple(s.strip() for s in systems.split(",") if s.strip()),
+        "systems": _words(systems),
         "dense_backend": dense_backend,
         "dtype": dtype,
-        "threads": threads,
+        "weights": _words(weights),
+        "threads": _ints(threads, "--threads"),
+        "llama_cpp_types": _words(llama_cpp_types),
+        "ppl_tokens": ppl_tokens,
+        "ppl_seq_len": ppl_seq_len,
+        "data_dir": None if data_dir is None else str(data_dir),
         "forced_sparsity": forced_sparsity,
         "seed": seed,
     }
@@ -111,6 +130,10 @@ def bench_cmd(
 
     # the table needs ~110 columns; a Console clips at its own width (80 when not a terminal)
     Console(stderr=True, width=max(render.err.width, 120)).print(bench_table(doc))
+    for name, q in doc.get("quality", {}).items():
+        d = q.get("vs_routed_fp32")
+        render.log(f"WikiText-2 perplexity {name}: {q['perplexity']:.3f}"
+                   + ("" if d is None else f" ({100 * d:+.2f} % vs routed fp32)"))  # fmt: skip
     for note in doc["notes"]:
         render.log(f"note: {note}")
     if json_file is not None:

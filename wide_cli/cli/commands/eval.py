@@ -55,12 +55,13 @@ def eval_cmd(
     out: ReportOutOpt = None,
     cache_dir: Annotated[Path | None, typer.Option(
         "--cache-dir", help="Reuse each model's results from DIR when model, data, settings and code match; store new ones there.")] = None,
+    trust_remote_code: o.TrustRemoteCodeOpt = False,
     json_out: o.JsonOpt = False,
 ):
     """Evaluate models: WikiText-2 perplexity (token-level and lm-eval word-level), zero-shot
     accuracy (acc and acc_norm), measured sparsity and routed FLOPs, in one table."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.eval import run
     from wide_cli.eval.report import render_table
 
@@ -76,7 +77,7 @@ def eval_cmd(
     task_list = list(run.DEFAULT_TASKS) if tasks is None else [t.strip() for t in tasks.split(",") if t.strip()]
     with progress.enabled(render.err):
         report = _evaluate(run, targets, task_list, data_dir, limit, seq_len, stride, batch_size, dtype, device,
-                           eval_data, out, cache_dir)
+                           eval_data, out, cache_dir, trust_remote_code=trust_remote_code)
     render.err.print(render_table(report))
     if out is not None:
         render.log(f"report written to {out / 'report.json'} and {out / 'report.md'}")
@@ -87,7 +88,7 @@ def eval_cmd(
 
 
 def _evaluate(run, targets, task_list, data_dir, limit, seq_len, stride, batch_size, dtype, device, eval_data, out,
-              cache_dir) -> dict:
+              cache_dir, *, trust_remote_code: bool = False) -> dict:
     """``evaluate_targets`` with the command's defaults filled in."""
     return run.evaluate_targets(
         targets,
@@ -102,6 +103,7 @@ def _evaluate(run, targets, task_list, data_dir, limit, seq_len, stride, batch_s
         eval_data=eval_data,
         out_dir=out,
         cache_dir=cache_dir,
+        trust_remote_code=trust_remote_code,
     )
 
 

@@ -34,6 +34,9 @@ def generate_cmd(
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the EOS token.")] = False,
     no_routing: Annotated[bool, typer.Option("--no-routing", help="Run every group (the runtime's dense mode).")] = False,
     dtype: Annotated[str | None, typer.Option("--dtype", help="fp32 | bf16 (default fp32).")] = None,
+    weights: Annotated[str | None, typer.Option(
+        "--weights", help="Weight format: fp32 | bf16 | int8 (int8: weight-only, bf16 activations; default: the "
+        "export's stored format, else fp32).")] = None,
     threads: Annotated[int | None, typer.Option("--threads", help="Torch CPU threads.")] = None,
     json_out: o.JsonOpt = False,
 ):
@@ -45,7 +48,7 @@ def generate_cmd(
     import torch
 
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.runtime.engine import Runtime
     from wide_cli.runtime.sampling import SamplingConfig
 
@@ -53,12 +56,16 @@ def generate_cmd(
     if threads is not None:
         torch.set_num_threads(threads)
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
+    if weights is not None:
+        from wide_cli.runtime.quant import check_format
+
+        check_format(weights)
     if len(models) > 1:
         return _side_by_side(models, list(prompt), max_new_tokens=max_new_tokens, backend=backend, sampling=sampling,
                              stop=tuple(stop or ()), chat=chat, ignore_eos=ignore_eos, no_routing=no_routing,
-                             dtype=dtype, json_out=json_out)
+                             dtype=dtype, json_out=json_out, weights=weights)
     export = models[0]
-    rt = Runtime.from_target(export, backend=backend, dtype=dtype, routing=not no_routing)
+    rt = Runtime.from_target(export, backend=backend, dtype=dtype, routing=not no_routing, weight_format=weights)
     prompts = _prompts_for(rt, list(prompt), chat)
     stream = not json_out and len(prompts) == 1
 
@@ -72,7 +79,8 @@ def generate_cmd(
     )  # fmt: skip
     if json_out:
         render.emit_json({"export": str(export), "backend": rt.backend.name, "routing": rt.routing,
-                          "dtype": str(rt.dtype).removeprefix("torch."), **res.to_dict()})  # fmt: skip
+                          "dtype": str(rt.dtype).removeprefix("torch."), "weights": rt.weight_format,
+                          **res.to_dict()})  # fmt: skip
         return
     if stream:
         sys.stdout.write("\n")
@@ -83,7 +91,8 @@ def generate_cmd(
     sp = res.sparsity
     fmt = lambda v: "-" if v is None else f"{v:.3f}"
     render.err.print(
-        f"backend {rt.backend.name} ({'routed' if rt.routing else 'dense'}, {str(rt.dtype).removeprefix('torch.')}): "
+        f"backend {rt.backend.name} ({'routed' if rt.routing else 'dense'}, {rt.weight_format} weights, "
+        f"{str(rt.dtype).removeprefix('torch.')} activations): "
         f"prefill {res.prompt_tokens} tok in {res.prefill_s:.2f} s ({res.prefill_tokens_per_s:.1f} tok/s), "
         f"decode {res.new_tokens} tok in {res.decode_s:.2f} s ({res.decode_tokens_per_s:.1f} tok/s); "
         f"measured sparsity attention {fmt(sp.get('attention'))} ffn {fmt(sp.get('ffn'))} total {fmt(sp.get('total'))}; "
@@ -93,16 +102,17 @@ def generate_cmd(
     )
 
 
-def _prompts_for(rt, prompts: list[str], chat: bool) -> list[str]:
-    """The prompts as the model sees them (wrapped in the tokenizer's chat template with ``chat``)."""
+def _prompts_for(rt, prompts: list[str], chat: bool) -> list:
+    """The prompts as the model sees them: text, or with ``chat`` the token ids of the
+    tokenizer's chat template (ids straight from the template: rendering it to text and
+    tokenizing again adds a second BOS)."""
     if not chat:
         return prompts
-    return [rt.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                             add_generation_prompt=True) for p in prompts]
+    return [chat_ids(rt.tokenizer, p) for p in prompts]
 
 
 def _side_by_side(models: list[str], prompts: list[str], *, max_new_tokens: int, backend: str, sampling, stop,
-                  chat: bool, ignore_eos: bool, no_routing: bool, dtype, json_out: bool) -> None:
+                  chat: bool, ignore_eos: bool, no_routing: bool, dtype, json_out: bool, weights: str | None = None) -> None:
     """Every prompt through every model (one at a time, same sampling), one table: a row per
     prompt, a column per model."""
     from rich.table import Table
@@ -112,11 +122,11 @@ def _side_by_side(models: list[str], prompts: list[str], *, max_new_tokens: int,
 
     docs = []
     for m in models:
-        rt = Runtime.from_target(m, backend=backend, dtype=dtype, routing=not no_routing)
+        rt = Runtime.from_target(m, backend=backend, dtype=dtype, routing=not no_routing, weight_format=weights)
         res = rt.generate(_prompts_for(rt, prompts, chat), max_new_tokens=max_new_tokens, sampling=sampling,
                           stop=stop, ignore_eos=ignore_eos)
         docs.append({"model": str(m), "backend": rt.backend.name, "routing": rt.routing,
-                     "dtype": str(rt.dtype).removeprefix("torch."), **res.to_dict()})
+                     "dtype": str(rt.dtype).removeprefix("torch."), "weights": rt.weight_format, **res.to_dict()})
         del rt
     if json_out:
         render.emit_json({"prompts": prompts, "chat": chat, "models": docs})
@@ -132,3 +142,20 @@ def _side_by_side(models: list[str], prompts: list[str], *, max_new_tokens: int,
 
     Console(width=max(render.err.width if render.err.is_terminal else 160, 100)).print(t)
 
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as one user turn of the tokenizer's chat template, with the
+    generation prompt: exactly ``apply_chat_template(..., tokenize=True)``.
+
+    Raises:
+        ConfigError: the tokenizer has no chat template.
+    """
+    from wide_cli.errors import ConfigError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("--chat: the export's tokenizer has no chat template", "drop --chat and write the prompt as text")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
+    if hasattr(ids, "keys"):  # a BatchEncoding in some transformers versions
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]

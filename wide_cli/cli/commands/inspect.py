@@ -23,14 +23,15 @@ def inspect_cmd(
     seq_len: Annotated[int, typer.Option("--seq-len", help="Window length for --text, tokens.")] = 256,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens of --text to measure at most.")] = 8192,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check manifest.json hashes first.")] = True,
+    trust_remote_code: o.TrustRemoteCodeOpt = False,
     json_out: o.JsonOpt = False,
 ):
     """Inspect an export: sizes, settings, sparsity per layer and module, per-token routing."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.errors import ConfigError, DataError
-    from wide_cli.inspect import inspect_export
-    from wide_cli.inspect.render import render as render_report
+    from wide_cli.inspection import inspect_export
+    from wide_cli.inspection.render import render as render_report
 
     if seq_len < 1 or max_tokens < 2:
         raise ConfigError(f"--seq-len {seq_len} / --max-tokens {max_tokens} too small", "use --seq-len >= 1, --max-tokens >= 2")
@@ -43,7 +44,8 @@ def inspect_cmd(
     if prompt is not None or text is not None:
         quiet_libraries()
     rep = inspect_export(export, text=body, text_name=str(text) if text else None, prompt=prompt, layer=layer,
-                         plot=plot, seq_len=seq_len, max_tokens=max_tokens, verify=verify)
+                         plot=plot, seq_len=seq_len, max_tokens=max_tokens, verify=verify,
+                         trust_remote_code=trust_remote_code)
     render.err.print(render_report(rep))
     if json_out:
         render.emit_json(rep.to_dict())

@@ -25,6 +25,11 @@ def prune_cmd(
     router_rank: o.RouterRank = None,
     tau_start: o.TauStart = None,
     tau_end: o.TauEnd = None,
+    sparsity_warmup: o.SparsityWarmup = None,
+    standin: o.Standin = None,
+    distill: o.Distill = None,
+    distill_temperature: o.DistillTemperature = None,
+    lora_joint: o.LoraJoint = None,
     steps: o.Steps = None,
     seq_len: o.SeqLen = None,
     batch_size: o.BatchSize = None,
@@ -62,15 +67,14 @@ def prune_cmd(
 
         import typer
 
-        from wide_cli.train.distributed import relaunch_with_torchrun
+        from wide_cli.train import distributed
 
         if "WORLD_SIZE" not in os.environ:
-            argv = sys.argv[1:]
-            i = argv.index("--nproc")
-            raise typer.Exit(relaunch_with_torchrun(nproc, argv[:i] + argv[i + 2 :]))
+            argv = distributed.without_option(sys.argv[1:], "--nproc")
+            raise typer.Exit(distributed.relaunch_with_torchrun(nproc, argv))
 
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.pipeline.prune import prune
 
     quiet_libraries()

@@ -58,7 +58,7 @@ def calibrate_cmd(
 ):
     """Stage 1/4: tokenise + pack the data (cached) and collect per-group activation statistics."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.pipeline import stages
     from wide_cli.pipeline.rundir import RunDir, run_lock
 
@@ -89,6 +89,13 @@ def train_cmd(
     seed: o.Seed = None,
     tau_start: o.TauStart = None,
     tau_end: o.TauEnd = None,
+    cost_target: o.CostTarget = None,
+    cost_metric: o.CostMetric = None,
+    sparsity_warmup: o.SparsityWarmup = None,
+    standin: o.Standin = None,
+    distill: o.Distill = None,
+    distill_temperature: o.DistillTemperature = None,
+    lora_joint: o.LoraJoint = None,
     sparsity_weight: o.SparsityWeight = None,
     checkpoint_every: o.CheckpointEvery = None,
     grad_checkpointing: o.GradCheckpointing = None,
@@ -105,7 +112,7 @@ def train_cmd(
 ):
     """Stage 2/4: train the routers (stage 1) or LoRA + routers (stage 2) on a calibrated run."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.errors import ConfigError
     from wide_cli.pipeline import stages
     from wide_cli.pipeline.rundir import run_lock
@@ -137,11 +144,14 @@ def export_cmd(
         "hf (loads in plain transformers with trust_remote_code; static width physically smaller).")] = "wide",
     lora: Annotated[bool | None, typer.Option(
         "--lora/--no-lora", help="Merge the run's stage-2 LoRA (default: when `wide train --stage 2` ran).")] = None,
+    weights: Annotated[str, typer.Option(
+        "--weights", help="fp32 (default) | int8: store int8 projections with their scales for the runtime "
+        "(`wide generate` / `wide bench`; --format wide only).")] = "fp32",
     json_out: o.JsonOpt = False,
 ):
     """Stage 3/4: write the deployable export (weights, routers, wide_config, model card, manifest)."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.pipeline import stages
     from wide_cli.pipeline.rundir import run_lock
 
@@ -150,6 +160,11 @@ def export_cmd(
 
     if export_format not in EXPORT_FORMATS:
         raise ConfigError(f"--format {export_format!r} unknown", f"choose one of {', '.join(EXPORT_FORMATS)}")
+    if weights not in ("fp32", "int8"):
+        raise ConfigError(f"--weights {weights!r} unknown for an export", "choose fp32 or int8")
+    if weights == "int8" and export_format != "wide":
+        raise ConfigError("--weights int8 is stored only in --format wide exports (for wide's runtime)",
+                          "drop --format hf, or export fp32 weights")
     run, settings = _settings_for_run(run_dir, None, {"lora": lora})
     if lora and not (run.stage2 / "adapter.safetensors").is_file():
         raise ConfigError(f"--lora: {run.stage2} holds no trained adapter",
@@ -157,7 +172,7 @@ def export_cmd(
     quiet_libraries()
     dest = out or run.default_export
     with run_lock(run):
-        res = stages.export(settings, run, dest, export_format=export_format)
+        res = stages.export(settings, run, dest, export_format=export_format, weight_format=weights)
     render.log(f"exported {len(res.files)} files ({res.bytes / 1e6:.1f} MB) to {res.path}")
     if json_out:
         render.emit_json({"export_dir": str(res.path), "files": res.files, "bytes": res.bytes,

@@ -41,17 +41,19 @@ def test_every_option_reaches_the_library(tmp_path, monkeypatch, export_dir):
         seen.update(path=path, **kw)
         raise SystemExit(0)
 
-    monkeypatch.setattr("wide_cli.inspect.inspect_export", fake)
+    monkeypatch.setattr("wide_cli.inspection.inspect_export", fake)
     txt = tmp_path / "t.txt"
     txt.write_text("hello world")
     args = ["inspect", str(export_dir), "--text", str(txt), "--prompt", "hi", "--layer", "1", "--plot",
-            str(tmp_path / "p.png"), "--seq-len", "7", "--max-tokens", "99", "--no-verify"]
+            str(tmp_path / "p.png"), "--seq-len", "7", "--max-tokens", "99", "--no-verify", "--trust-remote-code"]
     CliRunner().invoke(app, args, catch_exceptions=False)
     assert seen == {"path": export_dir, "text": "hello world", "text_name": str(txt), "prompt": "hi", "layer": 1,
-                    "plot": tmp_path / "p.png", "seq_len": 7, "max_tokens": 99, "verify": False}
+                    "plot": tmp_path / "p.png", "seq_len": 7, "max_tokens": 99, "verify": False,
+                    "trust_remote_code": True}
     # every parameter of the command is either forwarded above or is --json
     params = set(inspect.signature(inspect_cmd).parameters)
-    assert params == {"export", "text", "prompt", "layer", "plot", "seq_len", "max_tokens", "verify", "json_out"}
+    assert params == {"export", "text", "prompt", "layer", "plot", "seq_len", "max_tokens", "verify", "trust_remote_code",
+                      "json_out"}
 
 
 def test_json_heatmap_and_plot(tmp_path, export_dir, capsys):

@@ -90,15 +90,16 @@ def settings_of(wc: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- model
-def load_export(path: Path, *, verify: bool = True):
-    """Load an export of either format (a ``PrunedModel``), CPU, fp32, argmax routing."""
+def load_export(path: Path, *, verify: bool = True, trust_remote_code: bool = False):
+    """Load an export of either format (a ``PrunedModel``), CPU, fp32, argmax routing; an hf
+    export's shipped code runs only with ``trust_remote_code``."""
     from wide_cli.export.loader import load_pruned, read_wide_config
 
     wc = read_wide_config(path)
     if export_format(path, wc) == "hf":
         from wide_cli.export.hf_format import load_hf_export
 
-        return load_hf_export(path, verify=verify)
+        return load_hf_export(path, verify=verify, trust_remote_code=trust_remote_code)
     return load_pruned(path, verify=verify)
 
 
@@ -247,6 +248,7 @@ def inspect_export(
     seq_len: int = 256,
     max_tokens: int = 8192,
     verify: bool = True,
+    trust_remote_code: bool = False,
 ) -> InspectReport:
     """Build the report of ``wide inspect`` for export ``path``.
 
@@ -258,6 +260,7 @@ def inspect_export(
         plot: write a PNG of per-layer attention and FFN sparsity there.
         seq_len, max_tokens: windows for the ``text`` measurement.
         verify: check ``manifest.json`` (sha256 and size of every file) first.
+        trust_remote_code: let an hf export's shipped code run when the model is loaded.
 
     Raises:
         CheckpointError: not an export, or a missing / damaged file (named).
@@ -285,7 +288,7 @@ def inspect_export(
     source = f"stored in wide_config.json ({sparsity.get('data', 'held-out data')})" if sparsity else "none stored"
     trace = None
     if text is not None or prompt is not None:
-        pm = load_export(path, verify=False)  # verified above
+        pm = load_export(path, verify=False, trust_remote_code=trust_remote_code)  # verified above
         if text is not None and wc.get("static"):  # no routers: the kept groups are the sparsity
             sparsity = static_sparsity(wc)
             source = "fixed by the kept groups of this static-width export (the same for any text)"
@@ -298,7 +301,7 @@ def inspect_export(
     report = InspectReport(path, fmt, method, file_sizes(path), parameter_counts(path), settings_of(wc),
                            sparsity, source, prompt=trace, layer=layer)
     if plot is not None:
-        from wide_cli.inspect.plot import plot_sparsity
+        from wide_cli.inspection.plot import plot_sparsity
 
         if not sparsity or not sparsity.get("per_layer"):
             raise ConfigError("no per-layer sparsity to plot", "pass --text FILE to measure it")

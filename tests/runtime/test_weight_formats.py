@@ -1,0 +1,276 @@
+"""Weight formats of the cpu backend (fp32, bf16, int8 weight-only) against the reference backend,
+the int8 quantizer's error bound, the bytes a routed step reads, and int8 exports.
+
+Tolerances: both sides of a bf16/int8 comparison compute with bf16 activations (8 significant
+bits: every rounding is off by up to 2^-9 relative), in a different order (fused QKV, per-group
+GEMMs, the int8 kernel's per-group bf16 outputs summed in fp32 vs one bf16 GEMM). On these 2-layer
+tiny models that reaches ~1 % of the logit range (HF's own bf16 model is 1.6 % off its fp32
+logits on the same models); atol is 3 % of the range. The int8 reference runs the very same int8
+values (``fake_quantize``: dequantized weights), so the tolerance covers only activation rounding,
+not quantization error.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from wide_cli.errors import CheckpointError, ConfigError
+from wide_cli.runtime.engine import Runtime
+from wide_cli.runtime.quant import dequantize_int8, quantize_int8
+
+REL_ATOL = 0.03
+
+
+def _prompts(lengths, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 100, (n,), generator=g).tolist() for n in lengths]
+
+
+# ----------------------------------------------------------------------------------------------
+# quantizer
+
+
+@pytest.mark.parametrize("group_k", [None, 16, 32])
+def test_int8_dequantize_error_is_at_most_half_a_step_per_group(group_k):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=g) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different scales
+    w[3] = 0.0  # an all-zero row
+    q, s = quantize_int8(w, group_k)
+    G = 64 // (group_k or 64)
+    assert q.dtype == torch.int8 and s.shape == (48, G) and s.dtype == torch.float32
+    assert int(q.abs().max()) <= 127
+    assert torch.equal(s, s.bfloat16().float())  # what the bf16 kernel multiplies with, exactly
+    err = (w - dequantize_int8(q, s)).abs().reshape(48, G, -1)
+    bound = s[..., None] / 2
+    assert bool((err <= bound * (1 + 1e-6)).all())
+    # every group uses its range: the largest |q| of a non-zero group is 127 (or 126 after rounding)
+    qa = q.abs().reshape(48, G, -1).amax(-1)
+    nz = w.reshape(48, G, -1).abs().amax(-1) > 0
+    assert bool((qa[nz] >= 126).all()) and bool((q[3] == 0).all())
+
+
+def test_int8_requantizing_dequantized_weights_is_exact():
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    q, s = quantize_int8(w, 16)
+    q2, s2 = quantize_int8(dequantize_int8(q, s), 16)
+    assert torch.equal(q, q2) and torch.equal(s, s2)
+
+
+# ----------------------------------------------------------------------------------------------
+# each format: cpu against reference (same format), prefill (both GEMM strategies) + decode
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("p_skip", [0.0, 0.5, 1.0])
+def test_cpu_format_matches_reference(fmt, p_skip, routed_model, random_masks):
+    model = routed_model("qwen2")  # q/k/v biases: a bias must not leak into skipped groups
+    ids = torch.tensor([p + [3] * (24 - len(p)) for p in _prompts([24, 20])])  # 24 > SMALL_M: reordering
+    B, T = ids.shape
+    steps = 6
+    ref = Runtime.from_model(model, backend="reference", weight_format=fmt)
+    cpu = Runtime.from_model(model, backend="cpu", weight_format=fmt)
+    assert cpu.weight_format == ref.weight_format == fmt
+    assert cpu.dtype == (torch.float32 if fmt == "fp32" else torch.bfloat16)
+    ref.forced = cpu.forced = random_masks(model, B, T + steps, p_skip, seed=5)
+    cr, cc = ref.new_cache(B, T + steps), cpu.new_cache(B, T + steps)
+    lr, lc = ref.step(ids, None, cr), cpu.step(ids, None, cc)
+    atol = 1e-4 if fmt == "fp32" else REL_ATOL * float(lr.abs().max())
+    torch.testing.assert_close(lc, lr, atol=atol, rtol=0)
+    for _ in range(steps):
+        nxt = lr.argmax(-1)[:, None]
+        lr, lc = ref.step(nxt, None, cr), cpu.step(nxt, None, cc)
+        torch.testing.assert_close(lc, lr, atol=atol, rtol=0)
+    # batch 1 decode (the union-runs path with one token's own groups)
+    cr, cc = ref.new_cache(1, T + steps), cpu.new_cache(1, T + steps)
+    ref.forced = cpu.forced = random_masks(model, 1, T + steps, p_skip, seed=6)
+    lr, lc = ref.step(ids[:1], None, cr), cpu.step(ids[:1], None, cc)
+    for _ in range(steps):
+        nxt = lr.argmax(-1)[:, None]
+        lr, lc = ref.step(nxt, None, cr), cpu.step(nxt, None, cc)
+        torch.testing.assert_close(lc, lr, atol=atol, rtol=0)
+
+
+def test_int8_is_close_to_fp32(routed_model, random_masks):
+    """The quantization error itself, on the logits: int8 (per-row / per-group scales) stays within
+    the bf16 tolerance of fp32."""
+    model = routed_model("llama")
+    ids = torch.tensor(_prompts([12]))
+    want = Runtime.from_model(model, backend="reference").forward(ids)
+    got = Runtime.from_model(model, backend="cpu", weight_format="int8").forward(ids)
+    torch.testing.assert_close(got, want, atol=REL_ATOL * float(want.abs().max()), rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# skipped groups read no bytes
+
+
+def _group_spans(p, kind: str, j: int, cols: int) -> list[tuple[int, int]]:
+    """Byte ranges ``[start, end)`` of group ``j``'s weights (and scales) in a Proj."""
+    def rng(t):
+        return (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+
+    if kind == "n":  # row block j*cols .. (j+1)*cols
+        if p.int8:
+            return [rng(p.q[j * cols : (j + 1) * cols]), rng(p.s[j * cols : (j + 1) * cols])]
+        return [rng(p.w[j * cols : (j + 1) * cols])]
+    if p.int8:
+        return [rng(p.q[j]), rng(p.s[j])]
+    return [rng(p.w_t[j * cols : (j + 1) * cols])]
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+def test_skipped_groups_read_no_weight_bytes(fmt, routed_model):
+    model = routed_model("llama")
+    rt = Runtime.from_model(model, backend="cpu", weight_format=fmt)
+    G_a, G_f = rt.meta[0].attn_groups, rt.meta[0].ffn_groups
+    # layer 0: attention group 1 only, FFN groups 0 and 3; layer 1: nothing of attention, all FFN
+    keep = {(0, "attention"): [False, True], (0, "ffn"): [True, False, False, True],
+            (1, "attention"): [False, False], (1, "ffn"): [True] * G_f}  # fmt: skip
+    assert G_a == 2 and G_f == 4
+    rt.forced = {k: torch.tensor(v) for k, v in keep.items()}
+    cache = rt.new_cache(1, 8)
+    rt.step(torch.tensor([[5, 6, 7]]), None, cache)
+    rt.counter.trace, rt.counter.macs = [], 0
+    rt.step(torch.tensor([[9]]), None, cache)  # one decode step, batch 1
+    reads = rt.counter.trace
+    rt.counter.trace = None
+
+    def touched(span):
+        a, b = span
+        return sum(max(0, min(b, e) - max(a, s)) for s, e in ((s, s + n) for s, n in reads))
+
+    expected_bytes, expected_macs = 0, 0
+    D = rt.hidden_size
+    for i, p in enumerate(rt.layers):
+        m = rt.meta[i]
+        for kind, proj, cols, mask, rows_per_group in (
+            ("n", p.qkv, p.attn_cols, keep[(i, "attention")], p.attn_cols),
+            ("k", p.o, p.attn_cols, keep[(i, "attention")], p.attn_cols),
+            ("n", p.gu, 2 * p.ffn_group_size, keep[(i, "ffn")], 2 * p.ffn_group_size),
+            ("k", p.down, p.ffn_group_size, keep[(i, "ffn")], p.ffn_group_size),
+        ):
+            for j, on in enumerate(mask):
+                spans = _group_spans(proj, kind, j, cols)
+                size = sum(e - s for s, e in spans)
+                got = sum(touched(s) for s in spans)
+                assert got == (size if on else 0), (fmt, i, kind, j, on, got, size)
+                if on:
+                    expected_bytes += size
+                    expected_macs += rows_per_group * D if kind == "n" else cols * proj.N
+        # K/V rows are always read (every token's K/V is cached, B06)
+        kv = p.qkv.q[p.q_rows :] if p.qkv.int8 else p.qkv.w[p.q_rows :]
+        expected_bytes += kv.numel() * kv.element_size() + (2 * m.num_kv_heads * m.head_dim * 2 if p.qkv.int8 else 0)
+        expected_macs += kv.shape[0] * D
+    head = rt.head
+    expected_bytes += head.nbytes()
+    expected_macs += head.N * D
+    assert sum(n for _, n in reads) == expected_bytes
+    assert rt.counter.macs == expected_macs
+
+
+def test_executed_macs_of_a_dense_step_match_the_weights(routed_model):
+    model = routed_model("llama")
+    rt = Runtime.from_model(model, backend="cpu", routing=False)
+    rt.step(torch.tensor([[5]]), None, rt.new_cache(1, 4))
+    n_weights = sum(p.numel() for n, p in model.named_parameters()
+                    if n.endswith("proj.weight") or n == "lm_head.weight")  # fmt: skip
+    assert rt.counter.macs == n_weights
+    assert rt.counter.attn_macs == sum(m.num_heads * m.head_dim * 2 for m in rt.meta)  # one key each
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_int8_refuses_widths_the_kernel_cannot_take(routed_model):
+    model = routed_model("llama", fgs=8)  # FFN groups of 8 channels: the int8 kernel needs 16
+    with pytest.raises(ConfigError, match="multiples of 16.*down_proj.*has 8"):
+        Runtime.from_model(model, backend="cpu", weight_format="int8")
+    with pytest.raises(ConfigError, match="unknown weight format 'int4'"):
+        Runtime.from_model(model, backend="cpu", weight_format="int4")
+    with pytest.raises(ConfigError, match="--weights int8 computes in bfloat16"):
+        Runtime.from_model(model, backend="cpu", weight_format="int8", dtype=torch.float32)
+
+
+def test_cli_weights_flag(tiny_export):
+    from typer.testing import CliRunner
+
+    from wide_cli.cli.app import app, main
+
+    def gen(*extra):
+        r = CliRunner().invoke(app, ["generate", str(tiny_export), "-p", "hello", "--threads", "1", "--json",
+                                     "--max-new-tokens", "4", "--ignore-eos", *extra], catch_exceptions=False)  # fmt: skip
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    assert gen()["weights"] == "fp32"
+    d = gen("--weights", "int8")
+    assert d["weights"] == "int8" and d["dtype"] == "bfloat16" and len(d["tokens"][0]) == 4
+    assert gen("--weights", "bf16")["dtype"] == "bfloat16"
+    assert main(["generate", str(tiny_export), "-p", "x", "--weights", "int4"]) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# int8 exports
+
+
+def _int8_export(model, path, write_export):
+    """Write ``model`` as an fp32 export, then as an int8 export at ``path``."""
+    from wide_cli.export import export_model
+    from wide_cli.models.tiny import char_tokenizer
+
+    write_export(model, path.parent / "fp32")
+    wc = json.loads((path.parent / "fp32" / "wide_config.json").read_text())
+    wc = {k: wc[k] for k in ("method", "routing", "layout", "measured_sparsity", "source_model")}
+    export_model(model, char_tokenizer(), path, wide_config=wc, weight_format="int8")
+    return path
+
+
+def test_int8_export_round_trip(routed_model, write_export, tmp_path):
+    from safetensors.torch import load_file
+
+    model = routed_model("llama")
+    path = _int8_export(model, tmp_path / "int8", write_export)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["weight_format"] == "int8"
+    assert json.loads((path / "wide_config.json").read_text())["weight_format"]["format"] == "int8"
+    st = load_file(str(path / "model.safetensors"))
+    assert st["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
+    assert st["model.layers.0.mlp.down_proj.weight_scale"].shape == (64, 128 // 32)  # per row and FFN group
+    assert st["model.layers.0.self_attn.q_proj.weight_scale"].shape == (64, 1)
+    assert (path / "model.safetensors").stat().st_size < 0.4 * (tmp_path / "fp32" / "model.safetensors").stat().st_size
+    rt = Runtime.from_export(path)
+    assert rt.weight_format == "int8" and rt.dtype == torch.bfloat16
+    want = Runtime.from_model(model, backend="cpu", weight_format="int8")
+    # same int8 values as quantizing the float model in memory
+    for a, b in zip(rt.layers, want.layers):
+        for pa, pb in ((a.qkv, b.qkv), (a.o, b.o), (a.gu, b.gu), (a.down, b.down)):
+            assert torch.equal(pa.q, pb.q) and torch.equal(pa.s, pb.s)
+    ids = torch.tensor(_prompts([9]))
+    torch.testing.assert_close(rt.forward(ids), want.forward(ids), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("edit", ["missing", "mismatched"])
+def test_int8_export_with_bad_scale_is_refused(edit, routed_model, write_export, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from wide_cli.cli.app import main
+    from wide_cli.export.manifest import write_manifest
+
+    path = _int8_export(routed_model("llama"), tmp_path / "int8", write_export)
+    f = path / "model.safetensors"
+    st = load_file(str(f))
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+    if edit == "missing":
+        del st[name]
+    else:
+        st[name] = st[name][:, :3].contiguous()  # 3 groups do not divide 128 channels
+    save_file(st, str(f), metadata={"format": "pt"})
+    manifest = json.loads((path / "manifest.json").read_text())
+    write_manifest(path, export_id=manifest["export_id"], weight_format="int8")  # re-hashed: a hand edit
+    with pytest.raises(CheckpointError, match="down_proj.weight"):
+        Runtime.from_export(path)
+    assert main(["generate", str(path), "-p", "x", "--max-new-tokens", "1"]) == 2
