@@ -161,7 +161,7 @@ def test_static_depth_stage_by_stage(tmp_path, text_file):
 
 
 def test_static_depth_model_card_and_inspect_describe_the_removed_layers(tmp_path, text_file):
-    from wide_cli.inspect.report import settings_of
+    from wide_cli.inspection.report import settings_of
 
     run = tmp_path / "run"
     r = CliRunner().invoke(app, ["prune", "tiny-llama", "--data", str(text_file), "--run-dir", str(run), "--method",
