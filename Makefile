@@ -76,7 +76,7 @@ bench: setup llama-setup
 	  --threads 1,2 --ppl-tokens 2048 --ppl-seq-len 512 --data-dir ../shared/data --json-out docs/results/bench-cpu.json
 
 gpu-check: setup
-	$(PY) -m wide_cli.runtime.gpu_check --out docs/results/gpu
+	$(PY) -m wide_cli.gpu_check --out docs/results/gpu
 
 faults: setup
 	$(PY) -m pytest -q -ra tests/faults

@@ -33,4 +33,4 @@ TARGETS=(smollm2-135m)
 for c in $COSTS; do TARGETS+=("runs/sd-$c/export"); done
 for c in $COSTS; do [ -f "runs/sd-$c-lora/export/manifest.json" ] && TARGETS+=("runs/sd-$c-lora/export"); done
 $WIDE compare "${TARGETS[@]}" --tasks "$TASKS" "${LIMIT_ARGS[@]}" --data-dir "$DATA_DIR" --seq-len 256 \
-    --dtype bf16 --cache-dir runs/eval-cache --repeats 5 --out "$OUT" --json > "runs/sd-compare.json"
+    --dtype bf16 --cache-dir runs/eval-cache --repeats "${REPEATS:-3}" --out "$OUT" --json > "runs/sd-compare.json"

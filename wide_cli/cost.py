@@ -256,6 +256,7 @@ def cost_model(
     Raises:
         ValueError: unknown metric, or a group size that does not divide its axis.
     """
+    metric = metric.replace("-", "_")
     if metric not in METRICS:
         raise ValueError(f"cost metric {metric!r} unknown; choose one of {', '.join(METRICS)}")
     D, H, Hkv, d, F, V, L = (shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,

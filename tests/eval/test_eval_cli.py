@@ -23,7 +23,7 @@ def saved_tiny(tmp_path):
 
 
 def test_every_flag_reaches_the_library(monkeypatch, tmp_path):
-    """Each option changes the evaluate_targets call (no flag accepted and dropped, B25)."""
+    """Each option changes the evaluate_targets call (no flag accepted and dropped)."""
     from wide_cli.eval import run
 
     seen = {}
@@ -48,7 +48,7 @@ def test_every_flag_reaches_the_library(monkeypatch, tmp_path):
     assert json.loads(r.stdout)["schema"] == "wide.eval.report"
     params = set(inspect.signature(eval_cmd).parameters) - {"json_out", "run_dir"}  # run_dir: tests/cli
     assert params == {"targets", "tasks", "data_dir", "limit", "seq_len", "stride", "batch_size", "dtype",
-                      "device", "eval_data", "out", "cache_dir", "trust_remote_code"}
+                      "device", "eval_data", "out", "cache_dir", "trust_remote_code", "threads"}
 
 
 def test_json_is_one_object_on_stdout(saved_tiny, tmp_path, data_dir):

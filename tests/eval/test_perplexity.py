@@ -1,4 +1,5 @@
-"""Token-level and rolling perplexity against direct references (public cases B18, B19)."""
+"""Token-level and rolling perplexity against direct references (the two definitions
+must each match their own reference, never each other's)."""
 
 from __future__ import annotations
 

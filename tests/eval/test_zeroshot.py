@@ -1,4 +1,5 @@
-"""Zero-shot scoring: forced answers, metrics, batching, padding and data errors (B09, B20, B23)."""
+"""Zero-shot scoring: forced answers, metrics, batching, padding and data errors (padding never
+changes a score; metrics are named)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def test_batch_1_vs_4_identical(tiny, tok):
 
 
 def test_padding_excluded_from_sparsity(routed, tok):
-    """Batch 4 (right-padded) and batch 1 (no padding) count the same decisions (B09)."""
+    """Batch 4 (right-padded) and batch 1 (no padding) count the same decisions (padding must not change
+    a score)."""
     reqs = [encode_pair(tok, "ctx " * k, " cont" * (k % 3 + 1)) for k in range(1, 8)]
     meters = {}
     for bs in (1, 4):

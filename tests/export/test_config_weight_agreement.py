@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
+from tests._exports import tiny_export
 from wide_cli.cli.app import main
 from wide_cli.errors import WideError
-from wide_cli.export import export_model, load_pruned
+from wide_cli.export import load_pruned
 from wide_cli.export.manifest import write_manifest
 from wide_cli.models.tiny import char_tokenizer, tiny_model
-from wide_cli.routing import RoutingConfig, attach_routers
 
 
 def _edit_config(d, **changes):
@@ -27,11 +26,7 @@ def _edit_config(d, **changes):
 
 
 def _export(out, fmt):
-    model = tiny_model("llama")  # 4 query heads, 2 KV heads of head_dim 16
-    cfg = RoutingConfig(attn_group_size=2, ffn_group_size=32)
-    attach_routers(model, cfg)
-    wc = {"method": "wide", "routing": cfg.to_dict(), "measured_sparsity": {}, "source_model": {"spec": "tiny-llama"}}
-    export_model(model, char_tokenizer(), out, wide_config=wc, export_format=fmt)
+    tiny_export(out, fmt)
     return out
 
 

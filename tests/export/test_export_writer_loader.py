@@ -1,5 +1,5 @@
-"""Export -> load_pruned round-trips, manifest checks and strict loading (B03, B13, B14, B15,
-B26, B30)."""
+"""Export -> load_pruned round-trips, manifest checks and strict loading (explicit head_dim,
+tied embeddings, q/k/v biases, rope_scaling: every config detail survives the round trip)."""
 
 import json
 import math

@@ -119,9 +119,9 @@ def test_hf_export_files_config_and_router_tensors(tmp_path):
     c = json.loads((out / "config.json").read_text())
     assert c["model_type"] == "wide_llama" and c["architectures"] == ["WideLlamaForCausalLM"]
     assert c["auto_map"]["AutoModelForCausalLM"] == "modeling_wide.WideLlamaForCausalLM"
-    assert c["head_dim"] == 32  # B03
+    assert c["head_dim"] == 32  # head_dim != hidden / heads must survive the round trip
     saved = c.get("rope_parameters") or c.get("rope_scaling")
-    assert all(saved[k] == v for k, v in rope.items())  # B26
+    assert all(saved[k] == v for k, v in rope.items())  # rope_scaling kept (Llama 3.1 needs it)
     assert c["wide_routing"]["layout"]["attn_groups"] == 2 and c["wide_routing"]["routing"]["ffn_group_size"] == 32
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         keys = set(f.keys())

@@ -47,7 +47,7 @@ def test_export_files_name_no_local_path(built, sub):
 
 
 def test_export_records_the_model_by_id_and_hash(built):
-    root, run = built
+    _, run = built
     src = json.loads((run / "export" / "wide_config.json").read_text())["source_model"]
     assert src["spec"] == "tiny-llama"
     assert src["id"] == "tiny-llama" and len(src["fingerprint"]) == 16

@@ -9,26 +9,16 @@ import json
 import pytest
 import torch
 
+from tests._exports import tiny_export
 from wide_cli.errors import CheckpointError
-from wide_cli.export import export_model, load_pruned
+from wide_cli.export import load_pruned
 from wide_cli.export.manifest import write_manifest
-from wide_cli.models.tiny import char_tokenizer, tiny_model
-from wide_cli.routing import RoutingConfig, attach_routers
 
 IDS = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
-def _hf_export(out, fmt="hf"):
-    model = tiny_model("llama")
-    cfg = RoutingConfig(attn_group_size=2, ffn_group_size=32)
-    attach_routers(model, cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".router_" in n and n.endswith("bias"):
-                p.normal_(0, 1.0)
-    wc = {"method": "wide", "routing": cfg.to_dict(), "measured_sparsity": {}, "source_model": {"spec": "tiny-llama"}}
-    export_model(model, char_tokenizer(), out, wide_config=wc, export_format=fmt)
-    return model
+def _hf_export(out):
+    return tiny_export(out, "hf", skipping_routers=True)
 
 
 def _plant_marker(export, marker):

@@ -14,7 +14,9 @@ from wide_cli.errors import ConfigError, WideError
 def test_modules_import_without_cupy_or_gpu():
     """Importing the backend and the kernel wrappers pulls in neither CuPy nor CUDA."""
     code = (
-        "import sys, wide_cli.runtime.cupy_backend, wide_cli.runtime.cupy_ops, wide_cli.kernels;"
+        "import sys, wide_cli.runtime.cupy_backend, wide_cli.runtime.cupy_ops;"
+        "import wide_cli.runtime.cuda.sources, wide_cli.runtime.cuda.nvrtc, wide_cli.runtime.cuda.launch;"
+        "import wide_cli.runtime.cuda.verify, wide_cli.runtime.cuda.autotune;"
         "print('cupy' in sys.modules, 'cupy_backends' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -35,7 +37,7 @@ def test_selecting_cupy_without_gpu_is_a_clear_error():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
 def test_cuda_status_names_the_missing_piece():
-    from wide_cli.runtime import cupy_ops
+    from wide_cli.runtime.cuda.launch import cuda_status
 
-    why = cupy_ops.cuda_status()
+    why = cuda_status()
     assert why is not None and "no CUDA device" in why

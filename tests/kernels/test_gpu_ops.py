@@ -1,11 +1,11 @@
 """GPU: every CuPy kernel against its PyTorch reference (``runtime/ops.py``).
 
-Shapes: B08's ``(B, T)`` in {(1,1), (1,7), (3,1), (2,5), (1,129)} on the tiny Llama of that case
-(intermediate 96, FFN groups of 32, head groups of 2), larger SmolLM2/Llama-like tiles, and
+Shapes: ``(B, T)`` in {(1,1), (1,7), (3,1), (2,5), (1,129)} (decode, odd prefill, batched, one
+past a tile) on a tiny Llama (intermediate 96, FFN groups of 32, head groups of 2), larger SmolLM2/Llama-like tiles, and
 non-contiguous inputs (a transposed activation, a row-sliced one, a transposed KV-cache view).
 
 Tolerances, relative Frobenius error against the reference computed in fp32 on the same inputs:
-fp16 1e-3 (one fp16 rounding of an fp32-accumulated result, B08), bf16 8e-3 (bf16 has 3 fewer
+fp16 1e-3 (one fp16 rounding of an fp32-accumulated result), bf16 8e-3 (bf16 has 3 fewer
 mantissa bits). Attention rounds the softmax weights to the input dtype before P.V (as
 FlashAttention does), so its bounds are 2e-3 / 1.5e-2. Skipped outputs must be exact zeros.
 
@@ -21,7 +21,10 @@ import warnings
 import pytest
 import torch
 
-from wide_cli.runtime import cupy_ops, ops, schedule
+from wide_cli.runtime import cupy_ops, ops
+from wide_cli.runtime.cuda import schedule
+from wide_cli.runtime.cuda.launch import cuda_status
+from wide_cli.runtime.cuda.registry import REGISTRY
 
 pytestmark = pytest.mark.gpu
 
@@ -34,7 +37,7 @@ B08_BT = [(1, 1), (1, 7), (3, 1), (2, 5), (1, 129)]
 
 @pytest.fixture(autouse=True)
 def _kernels(monkeypatch):
-    why = cupy_ops.cuda_status()
+    why = cuda_status()
     if why is not None:
         pytest.skip(why)
     monkeypatch.setenv("WIDE_CUPY_VERIFY", "0")
@@ -44,9 +47,9 @@ def _kernels(monkeypatch):
 @contextlib.contextmanager
 def kernels_only():
     """Fail if anything inside was routed to the PyTorch reference instead of a kernel."""
-    before = dict(cupy_ops.fallback_counts())
+    before = dict(REGISTRY.fallback_counts())
     yield
-    new = {k: v for k, v in cupy_ops.fallback_counts().items() if v != before.get(k)}
+    new = {k: v for k, v in REGISTRY.fallback_counts().items() if v != before.get(k)}
     assert not new, f"routed to the reference instead of a kernel: {new}"
 
 
@@ -244,24 +247,24 @@ def test_auto_dispatch_picks_cublas_for_dense_masks(monkeypatch):
     a, w = rand(M, K, dtype=torch.bfloat16, seed=50), rand(N, K, dtype=torch.bfloat16, seed=51)
     for p, path in ((0.9, "cuBLAS on the masked input"), (0.2, "kernel")):
         mask = rmask(M, N // g, p=p, seed=52)
-        before = cupy_ops.dispatch_counts().get(f"gemm_mn: {path}", 0)
+        before = REGISTRY.dispatch_counts().get(f"gemm_mn: {path}", 0)
         out = cupy_ops.gemm_mn(a, w, mask, g)
-        assert cupy_ops.dispatch_counts()[f"gemm_mn: {path}"] == before + 1
+        assert REGISTRY.dispatch_counts()[f"gemm_mn: {path}"] == before + 1
         assert rel(out, ops.gemm_mn(a.float(), w.float(), mask, g)) <= TOL[torch.bfloat16]
         assert (out[~ops.expand_mask(mask, g)] == 0).all()
     mk = rmask(M, K // g, p=0.5, seed=53)  # random: every 16-row fragment is live -> cuBLAS
     a_nan = torch.where(ops.expand_mask(mk, g), a, torch.full((), float("nan"), dtype=a.dtype, device=DEV))
     out = cupy_ops.gemm_k(a_nan, w[:, :K], mk, g)
-    assert cupy_ops.dispatch_counts()["gemm_k: cuBLAS on the masked input"] >= 1
+    assert REGISTRY.dispatch_counts()["gemm_k: cuBLAS on the masked input"] >= 1
     assert rel(out, ops.gemm_k(a.float(), w[:, :K].float(), mk, g)) <= TOL[torch.bfloat16]
 
 
 def test_unsupported_shapes_fall_back_to_the_reference():
     a, w = rand(20, 64, dtype=torch.float16), rand(48, 64, dtype=torch.float16)
     mask = rmask(20, 6)  # group size 8: no tensor-core tile for it
-    before = sum(cupy_ops.fallback_counts().values())
+    before = sum(REGISTRY.fallback_counts().values())
     out = cupy_ops.gemm_mn(a, w, mask, 8)
-    assert sum(cupy_ops.fallback_counts().values()) == before + 1
+    assert sum(REGISTRY.fallback_counts().values()) == before + 1
     assert torch.equal(out, ops.gemm_mn(a, w, mask, 8))
     a32, w32 = a.float(), w.float()  # fp32 has no kernel
     assert torch.equal(cupy_ops.gemm_mn(a32, w32, mask, 8), ops.gemm_mn(a32, w32, mask, 8))
@@ -369,7 +372,7 @@ def test_attention_decode_long_context():
 
 
 # ---------------------------------------------------------------------------------------------
-# the backend end to end (B08: runtime with the CuPy kernels vs the reference backend)
+# the backend end to end (runtime with the CuPy kernels vs the reference backend: same answers)
 
 
 def _tiny_routed(seed=0):

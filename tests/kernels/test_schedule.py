@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from wide_cli.runtime import cupy_ops, ops, schedule
+from wide_cli.runtime import ops
+from wide_cli.runtime.cuda import builds, schedule
 
 # (M, G, p_execute): decode, odd prefill, all-skip, all-execute, one group, more groups than tokens
 CASES = [(1, 4, 0.5), (7, 3, 0.5), (129, 5, 0.3), (64, 8, 0.0), (33, 6, 1.0), (50, 1, 0.5), (3, 40, 0.5)]
@@ -165,25 +166,25 @@ def test_kv_heads_read():
 
 
 def test_tile_tables_are_valid():
-    for t in cupy_ops.GEMM_MN_TILES + cupy_ops.GEMM_K_TILES:
+    for t in builds.GEMM_MN_TILES + builds.GEMM_K_TILES:
         assert t.valid(False) and t.threads == 128 and t.smem() <= 160 * 1024  # fits sm_80 and sm_90
-    swiglu = [t for t in cupy_ops.GEMM_MN_TILES if t.valid(True)]
+    swiglu = [t for t in builds.GEMM_MN_TILES if t.valid(True)]
     assert {t.bn_out(True) for t in swiglu} >= {64, 32}
-    labels = [b.label for b in cupy_ops.kernel_builds()]
+    labels = [b.label for b in builds.kernel_builds()]
     assert len(labels) == len(set(labels))
 
 
 @pytest.mark.parametrize("M", [9, 16, 100, 1024, 4096])
 @pytest.mark.parametrize("n_tiles", [3, 112])
 def test_heuristic_tile_fits_the_tokens(M, n_tiles):
-    t = cupy_ops._heuristic_tile(list(cupy_ops.GEMM_MN_TILES[:4]), M, n_tiles, sms=132, density=0.5)
-    assert t.bm <= max(16, cupy_ops._next_pow2(M))
+    t = builds.heuristic_tile(list(builds.GEMM_MN_TILES[:4]), M, n_tiles, sms=132, density=0.5)
+    assert t.bm <= max(16, builds.next_pow2(M))
     if M >= 4096 and n_tiles >= 112:
         assert t.bm == 128
 
 
 @pytest.mark.parametrize("B,Hkv,S", [(1, 8, 32768), (1, 3, 7), (64, 8, 4096), (2, 2, 129)])
 def test_decode_split_covers_every_key(B, Hkv, S):
-    chunk, nsplit = cupy_ops.decode_split(B, Hkv, S, sms=132)
+    chunk, nsplit = builds.decode_split(B, Hkv, S, sms=132)
     assert 64 <= chunk <= 1024 and chunk & (chunk - 1) == 0
     assert (nsplit - 1) * chunk < S <= nsplit * chunk

@@ -1,4 +1,5 @@
-"""Model loading: aliases, local dirs, hub ids (offline), dtype policy, pad token (B12, B23)."""
+"""Model loading: aliases, local dirs, hub ids (offline), dtype policy, pad token (fp16 on a CPU is
+upcast with one warning; a missing pad token becomes EOS without adding an id)."""
 
 from __future__ import annotations
 

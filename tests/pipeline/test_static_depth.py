@@ -158,3 +158,19 @@ def test_static_depth_stage_by_stage(tmp_path, text_file):
     assert wcfg["lora"]["merged"] and wcfg["static_depth"]["removed"] == sel["removed"]
     code = main(["export", "--run-dir", run, "--out", str(tmp_path / "hf"), "--format", "hf"])
     assert code == 2 and not (tmp_path / "hf").exists()
+
+
+def test_static_depth_model_card_and_inspect_describe_the_removed_layers(tmp_path, text_file):
+    from wide_cli.inspection.report import settings_of
+
+    run = tmp_path / "run"
+    r = CliRunner().invoke(app, ["prune", "tiny-llama", "--data", str(text_file), "--run-dir", str(run), "--method",
+                                 "static-depth", "--cost-target", "0.7", *TINY], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    card = (run / "export" / "README.md").read_text()
+    wcfg = json.loads((run / "export" / "wide_config.json").read_text())
+    removed = wcfg["static_depth"]["removed"]
+    assert f"| removed layers (of the source's) | {removed} (1 of 2) |" in card
+    assert "loads exactly the pruned model" in card and "dense backbone only" not in card
+    s = settings_of(wcfg)
+    assert s["removed layers"] == f"{removed} (1 of 2)" and "sparsity target" not in s

@@ -1,4 +1,4 @@
-"""Group-size validation (B01) and routing settings."""
+"""Group-size validation (a group size must divide the heads / channels) and routing settings."""
 
 import warnings
 

@@ -93,7 +93,7 @@ def test_measured_sparsity_counts_skips_over_valid_tokens_only():
 
 
 def test_padding_does_not_change_real_tokens():
-    """B09 for the routed model: left padding leaves real tokens' logits unchanged."""
+    """Padding for the routed model: left padding leaves real tokens' logits unchanged."""
     model = tiny_model("llama")
     attach_routers(model, RoutingConfig(attn_group_size=2, ffn_group_size=32))
     short = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(6))

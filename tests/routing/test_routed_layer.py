@@ -10,8 +10,8 @@ CASES = [
     ("llama", {}, 2, 32),
     ("llama", {"tie_word_embeddings": True}, 1, 64),
     ("mistral", {}, 2, 32),
-    ("qwen2", {}, 2, 32),  # q/k/v biases (B15)
-    ("qwen3", {"head_dim": 32}, 2, 32),  # q_norm / k_norm, q width != hidden (B16, B03)
+    ("qwen2", {}, 2, 32),  # q/k/v biases (a skipped head adds no bias)
+    ("qwen3", {"head_dim": 32}, 2, 32),  # per-head q_norm / k_norm, q width != hidden size
 ]
 
 
@@ -102,7 +102,7 @@ def test_kv_projections_and_qwen3_norms_keep_their_shapes():
 
 
 def test_qwen3_head_routing_is_applied():
-    """B16: attention routing really acts on a Qwen3 model (non-zero measured head sparsity)."""
+    """Attention routing really acts on a Qwen3 model (non-zero measured head sparsity)."""
     model = tiny_model("qwen3", head_dim=32)
     state = attach_routers(model, RoutingConfig(attn_group_size=2, ffn_group_size=32))
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -1,4 +1,5 @@
-"""`wide generate` and `wide bench` on a tiny export: every flag reaches the library (B25)."""
+"""`wide generate` and `wide bench` on a tiny export: every flag reaches the library (a flag
+that is parsed but ignored is a silent bug)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Runtime loaded from an export directory == ``load_pruned``'s routed HF model (B14, B30)."""
+"""Runtime loaded from an export directory == ``load_pruned``'s routed HF model (tied embeddings
+included: the same logits from both readers of one export)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from wide_cli.runtime.engine import Runtime
 def test_export_roundtrip_matches_load_pruned(tmp_path, tied, routed_model, write_export):
     model = routed_model("llama", tie_word_embeddings=tied)
     write_export(model, tmp_path / "exp")
-    if tied:  # HF drops the tied lm_head on save (B14)
+    if tied:  # HF drops the tied lm_head on save, so it must be re-tied on load
         from safetensors import safe_open
 
         with safe_open(str(tmp_path / "exp" / "model.safetensors"), "pt") as f:

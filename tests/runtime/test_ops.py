@@ -1,5 +1,6 @@
 """Each routed operator (the ``ops.py`` reference and the ``cpu`` work-skipping version) against a
-naive per-token loop, over many shapes and a non-contiguous input (public case B08).
+naive per-token loop, over many shapes and a non-contiguous input (a fast path must never give
+a different answer).
 
 atol 1e-5, rtol 1e-5 (fp32): both sides compute the same dot products; only summation order differs.
 """
@@ -87,7 +88,7 @@ def test_gemms_match_naive(impl, M, p, noncontig):
 
 
 def test_skipped_outputs_are_exact_zeros_bias_included():
-    """B15: a skipped group's bias must not leak."""
+    """A skipped group's bias must not leak into its outputs (they stay exactly zero)."""
     a, w, b = torch.randn(5, 8), torch.randn(8, 8), torch.full((8,), 3.0)
     mask = torch.tensor([[True, False]] * 5)
     for mod in IMPLS.values():

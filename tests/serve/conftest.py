@@ -15,8 +15,9 @@ CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% 
 
 
 def build_export(path, kind: str = "llama", *, export_format: str = "wide", method: str = "wide", seed: int = 0):
-    """Export a tiny seeded routed ``kind`` model (random routers: about half the groups skip)
-    with a character tokenizer that has a chat template. Returns ``path``."""
+    """Export a tiny seeded routed ``kind`` model (random routers: about half the groups skip;
+    static width: a seeded keep mask per layer and module, the first group always kept) with a
+    character tokenizer that has a chat template. Returns ``path``."""
     from wide_cli.export import export_model
     from wide_cli.models.tiny import char_tokenizer, tiny_model
     from wide_cli.routing import RoutingConfig, attach_routers
@@ -24,9 +25,18 @@ def build_export(path, kind: str = "llama", *, export_format: str = "wide", meth
     model = tiny_model(kind, seed=seed, max_position_embeddings=256, **SHAPE)
     torch.manual_seed(seed + 1000)
     cfg = RoutingConfig(method=method, attn_group_size=3, ffn_group_size=128, router_rank=32)
+    keep = None
+    if method == "static-width":
+        g = torch.Generator().manual_seed(seed)
+        keep = {}
+        for i in range(model.config.num_hidden_layers):
+            for module, n in (("attention", 2), ("ffn", 4)):  # groups: 6 heads / 3, 512 channels / 128
+                k = torch.rand(n, generator=g) < 0.5
+                k[0] = True
+                keep[(i, module)] = k
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        state = attach_routers(model, cfg)
+        state = attach_routers(model, cfg, static_keep=keep)
     state.set_mode("argmax")
     tok = char_tokenizer(with_pad=False)
     tok.chat_template = CHAT_TEMPLATE

@@ -182,8 +182,9 @@ def _wait_gone(pids, timeout=20.0) -> bool:
 def test_start_up_that_never_gets_ready_leaves_nothing_running(tmp_path, export_factory):
     pids = tmp_path / "pids"
     env = {"WIDE_SERVE_PYTHON": str(_fake_python(tmp_path)), "FAKE_PIDS": str(pids)}
-    r = _wide(["serve", export_factory("llama"), "--port", _free_port(), "--startup-timeout", "3"], env=env)
-    assert r.returncode == 1 and "was not ready after 3 s" in _error_line(r)
+    # long enough for the stand-in to start (and write its pids) on a loaded machine
+    r = _wide(["serve", export_factory("llama"), "--port", _free_port(), "--startup-timeout", "12"], env=env)
+    assert r.returncode == 1 and "was not ready after 12 s" in _error_line(r)
     assert _wait_gone(map(int, pids.read_text().split()))
 
 
@@ -191,8 +192,10 @@ def test_ctrl_c_prints_nothing_more_and_stops_the_server_group(tmp_path, export_
     pids = tmp_path / "pids"
     port = _free_port()
     env = {**os.environ, "WIDE_SERVE_PYTHON": str(_fake_python(tmp_path)), "FAKE_PIDS": str(pids), "FAKE_HEALTHY": "1"}
+    # A shell that starts jobs in the background makes them ignore SIGINT; a terminal would not.
     p = subprocess.Popen(WIDE + ["serve", str(export_factory("llama")), "--port", str(port), "--served-model-name", "tiny"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509  # fmt: skip
     try:
         url = p.stdout.readline().strip()  # printed once /health answers
         assert url == f"http://127.0.0.1:{port}/v1"

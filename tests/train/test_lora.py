@@ -1,5 +1,6 @@
-"""Stage-2 LoRA: merge equals the unmerged adapter, strict adapter loading (B22), fp32 adapters
-under a bf16 backbone (B11), only LoRA and router parameters train."""
+"""Stage-2 LoRA: merge equals the unmerged adapter, strict adapter loading (a missing or extra
+adapter tensor is an error), fp32 adapters under a bf16 backbone (bf16 updates round away), only
+LoRA and router parameters train."""
 
 import pytest
 import torch

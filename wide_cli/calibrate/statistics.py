@@ -36,11 +36,17 @@ class GroupStatistics:
             attention output (before ``o_proj``).
         ffn_channel_norm: ``[L, F]`` float32, mean over tokens of ``|act(gate) * up|`` per channel.
         tokens: number of tokens averaged over.
+        attn_input_mean: ``[L, H * d]`` float32, mean over tokens of the ``o_proj`` input (signed);
+            None in files written before it existed.
+        ffn_input_mean: ``[L, F]`` float32, mean over tokens of ``act(gate) * up`` (signed), or None.
+            Both give the stand-in of a skipped group (``standin_vectors``).
     """
 
     attn_head_norm: torch.Tensor
     ffn_channel_norm: torch.Tensor
     tokens: int
+    attn_input_mean: torch.Tensor | None = None
+    ffn_input_mean: torch.Tensor | None = None
 
     def __post_init__(self):
         a, f = self.attn_head_norm, self.ffn_channel_norm
@@ -81,9 +87,11 @@ class GroupStatistics:
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {"attn_head_norm": self.attn_head_norm, "ffn_channel_norm": self.ffn_channel_norm}
+        if self.attn_input_mean is not None and self.ffn_input_mean is not None:
+            tensors.update(attn_input_mean=self.attn_input_mean, ffn_input_mean=self.ffn_input_mean)
         data = save(
-            {"attn_head_norm": self.attn_head_norm.float().contiguous().cpu(),
-             "ffn_channel_norm": self.ffn_channel_norm.float().contiguous().cpu()},
+            {k: v.float().contiguous().cpu() for k, v in tensors.items()},
             metadata={"format": FORMAT, "version": FORMAT_VERSION, "tokens": str(int(self.tokens))},
         )
         from wide_cli.atomic import atomic_write_bytes
@@ -106,7 +114,9 @@ class GroupStatistics:
                 meta = f.metadata() or {}
                 if meta.get("format") != FORMAT:
                     raise CheckpointError(f"{path} is not a wide statistics file", hint)
-                return cls(f.get_tensor("attn_head_norm"), f.get_tensor("ffn_channel_norm"), int(meta["tokens"]))
+                means = [f.get_tensor(k) if k in f.keys() else None for k in ("attn_input_mean", "ffn_input_mean")]
+                return cls(f.get_tensor("attn_head_norm"), f.get_tensor("ffn_channel_norm"), int(meta["tokens"]),
+                           *means)
         except (OSError, SafetensorError, KeyError, ValueError) as e:
             raise CheckpointError(f"cannot read calibration statistics {path}: {e}", hint) from None
 
@@ -152,6 +162,8 @@ def collect_statistics(
     L, H, d, F = shape.num_layers, shape.num_heads, shape.head_dim, shape.intermediate_size
     attn_sum = torch.zeros(L, H, dtype=torch.float64)
     ffn_sum = torch.zeros(L, F, dtype=torch.float64)
+    attn_mean = torch.zeros(L, H * d, dtype=torch.float64)
+    ffn_mean = torch.zeros(L, F, dtype=torch.float64)
 
     def attn_hook(i):
         def hook(module, args):
@@ -159,6 +171,7 @@ def collect_statistics(
             assert x.shape[-1] == H * d, (x.shape, H, d)
             norms = x.float().reshape(-1, H, d).norm(dim=-1)  # [B*T, H]
             attn_sum[i] += norms.sum(dim=0).double().cpu()
+            attn_mean[i] += x.float().reshape(-1, H * d).sum(dim=0).double().cpu()
 
         return hook
 
@@ -167,6 +180,7 @@ def collect_statistics(
             x = args[0]  # [B, T, F] = act(gate) * up
             assert x.shape[-1] == F, (x.shape, F)
             ffn_sum[i] += x.float().abs().reshape(-1, F).sum(dim=0).double().cpu()
+            ffn_mean[i] += x.float().reshape(-1, F).sum(dim=0).double().cpu()
 
         return hook
 
@@ -194,4 +208,40 @@ def collect_statistics(
             h.remove()
         model.train(was_training)
     denom = max(tokens, 1)
-    return GroupStatistics((attn_sum / denom).float(), (ffn_sum / denom).float(), tokens)
+    return GroupStatistics((attn_sum / denom).float(), (ffn_sum / denom).float(), tokens,
+                           (attn_mean / denom).float(), (ffn_mean / denom).float())
+
+
+def standin_vectors(stats: GroupStatistics, model, module: str, group_size: int) -> torch.Tensor:
+    """The stand-in of every group: what the group adds to the module output on average over the
+    calibration tokens (FLAP's bias compensation, per group; Informed Routing, arXiv 2510.13831).
+
+    Attention group ``g`` (query heads ``g*s .. (g+1)*s - 1``): ``W_o[:, cols_g] @ mean(o_in[cols_g])``;
+    FFN group ``g`` (channels ``cols_g``): ``W_down[:, cols_g] @ mean((act(gate) * up)[cols_g])``.
+
+    Args:
+        stats: statistics with ``attn_input_mean`` / ``ffn_input_mean``.
+        model: the dense model the statistics were collected on (its ``o_proj`` / ``down_proj``).
+        module: ``attention`` or ``ffn``; group_size: heads or channels per group.
+
+    Returns:
+        ``[L, G, D]`` float32.
+
+    Raises:
+        CheckpointError: statistics written before the means were collected.
+    """
+    from wide_cli.routing.model import decoder_layers
+
+    mean = stats.attn_input_mean if module == "attention" else stats.ffn_input_mean
+    if mean is None:
+        raise CheckpointError("the calibration statistics hold no activation means (written by an older wide)",
+                              "re-run `wide calibrate` to rebuild them")
+    out = []
+    for i, layer in enumerate(decoder_layers(model)):
+        lin = layer.self_attn.o_proj if module == "attention" else layer.mlp.down_proj
+        W = lin.weight.detach().float().cpu()  # [D, K]
+        unit = W.shape[1] // (stats.attn_head_norm.shape[1] if module == "attention" else W.shape[1]) * group_size
+        G = W.shape[1] // unit
+        m = mean[i].float()
+        out.append(torch.stack([W[:, g * unit:(g + 1) * unit] @ m[g * unit:(g + 1) * unit] for g in range(G)]))
+    return torch.stack(out)

@@ -17,6 +17,9 @@ NprocOpt = Annotated[int, typer.Option("--nproc", help="Data-parallel processes 
 TrustRemoteCodeOpt = Annotated[bool, typer.Option(
     "--trust-remote-code", help="Run the Python files an --format hf export ships (by default wide loads it into "
     "its own classes and refuses an export whose code differs from what this wide generates).")]
+ThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--threads", help="CPU threads per process (default: OMP_NUM_THREADS if set, else the cores not busy "
+    "with other processes per the load average, split among torchrun's local processes).")]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last checkpoint.")]
 
 # CLI option name (the Python parameter) -> (settings section, field).
@@ -38,6 +41,11 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "tau_end": ("routing", "tau_end"),
     "cost_target": ("routing", "cost_target"),
     "cost_metric": ("routing", "cost_metric"),
+    "sparsity_warmup": ("routing", "sparsity_warmup"),
+    "standin": ("routing", "standin"),
+    "distill": ("train", "distill"),
+    "distill_temperature": ("train", "distill_temperature"),
+    "lora_joint": ("stage2", "joint"),
     "steps": ("train", "steps"),
     "seq_len": ("train", "seq_len"),
     "batch_size": ("train", "batch_size"),
@@ -69,9 +77,14 @@ HeldoutFraction = Annotated[Optional[float], typer.Option("--heldout-fraction", 
 MaxTrainTokens = Annotated[Optional[int], typer.Option("--max-train-tokens", help="Cap on tokenised training data.")]
 ShuffleDocs = Annotated[Optional[bool], typer.Option("--shuffle-documents/--no-shuffle-documents", help="Shuffle documents before packing (default on).")]
 Method = Annotated[Optional[str], typer.Option("--method", help="wide | dynamic-depth | static-width | static-depth | dense.")]
-CostTarget = Annotated[Optional[float], typer.Option("--cost-target", help="static-depth: per-token cost to reach, a fraction of dense in (0, 1) (default 0.75).")]
+CostTarget = Annotated[Optional[float], typer.Option("--cost-target", help="Per-token cost to reach, a fraction of dense in (0, 1), e.g. 0.5 = half the FLOPs (wide: replaces --sparsity; static-depth default 0.75).")]
 CostMetric = Annotated[Optional[str], typer.Option("--cost-metric", help="What --cost-target is a fraction of: flops | decode_bytes (default flops).")]
-Sparsity = Annotated[Optional[float], typer.Option("--sparsity", help="Target fraction of skipped (token, group) decisions, in [0, 1).")]
+Sparsity = Annotated[Optional[float], typer.Option("--sparsity", help="Target fraction of skipped (token, group) decisions, unweighted (the paper's), in [0, 1).")]
+SparsityWarmup = Annotated[Optional[float], typer.Option("--sparsity-warmup", help="Fraction of steps over which the sparsity/cost target ramps up from 0 (default 0).")]
+Standin = Annotated[Optional[str], typer.Option("--standin", help="What a skipped group adds: none | mean (calibration-mean output) | trained.")]
+Distill = Annotated[Optional[float], typer.Option("--distill", help="Weight of KL distillation to the dense model in [0, 1] (0 = LM loss only).")]
+DistillTemperature = Annotated[Optional[float], typer.Option("--distill-temperature", help="Softmax temperature of the distillation (default 1).")]
+LoraJoint = Annotated[Optional[bool], typer.Option("--lora-joint/--no-lora-joint", help="Train LoRA with the routers from the first step (no separate stage 2).")]
 SparsityAttn = Annotated[Optional[float], typer.Option("--sparsity-attention", help="Per-module target for attention (with --sparsity-ffn).")]
 SparsityFfn = Annotated[Optional[float], typer.Option("--sparsity-ffn", help="Per-module target for the FFN (with --sparsity-attention).")]
 SparsityWeight = Annotated[Optional[float], typer.Option("--sparsity-weight", help="lambda of the sparsity loss (default 20).")]

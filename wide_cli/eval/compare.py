@@ -248,6 +248,7 @@ def pareto_plot(rows: list[dict], path: Path, *, title: str = "") -> Path:
             ax.set_ylabel(ylabel)
             ax.grid(True, which="both", alpha=0.3)
             ax.axvline(1.0, color="grey", linewidth=0.8, linestyle=":")
+            ax.margins(x=0.08, y=0.08)  # room for the point labels
         axes[0][0].legend(fontsize=8, loc="best")
         if title:
             fig.suptitle(title, fontsize=10)

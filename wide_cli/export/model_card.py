@@ -21,6 +21,8 @@ _METHOD_TEXT = {
     "the whole attention block or the whole FFN block",
     "static-width": "static width (baseline): the same least-important head groups and FFN channel "
     "groups are removed for every token, chosen from calibration statistics",
+    "static-depth": "static depth (ShortGPT baseline): the decoder layers with the lowest Block Influence "
+    "(1 - cosine between a layer's input and output) are removed; a plain smaller model, no routing",
     "dense": "dense (baseline): the unmodified model, no routing",
 }
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -72,6 +74,19 @@ def _settings_rows(wc: dict) -> list[list]:
     r = wc.get("routing") or {}
     lay = wc.get("layout") or {}
     rows = [["method", wc.get("method", r.get("method"))]]
+    sd = wc.get("static_depth")
+    if sd:
+        rows += [["removed layers (of the source's)", f"{sd['removed']} ({len(sd['removed'])} of {sd['num_layers']})"],
+                 ["cost target / reached", f"{sd['cost_target']} / {sd['cost_fraction']:.3f} of dense {sd['cost_metric']}"],
+                 ["Block Influence measured on", f"{sd['calibration_tokens']} training tokens"]]
+        heal = (wc.get("train") or {}).get("stage2") or {}
+        tr = (wc.get("settings") or {}).get("train") or {}
+        if heal:
+            rows.append(["LoRA healing steps x sequences x tokens",
+                         f"{heal.get('steps')} x {tr.get('batch_size', 0) * tr.get('grad_accum', 1)} x {tr.get('seq_len')}"])
+        lora = wc.get("lora")
+        rows.append(["LoRA", f"merged (r={lora['rank']}, alpha={lora['alpha']})" if lora else "none"])
+        return rows
     if r.get("method") != "dense":
         rows += [
             ["attention group size (query heads)", lay.get("attn_group_size", r.get("attn_group_size"))],
@@ -137,7 +152,9 @@ def render_model_card(wc: dict, *, export_format: str, name: str, files: dict[st
 
     ms = wc.get("measured_sparsity") or {}
     lines += ["", "## Measured sparsity", ""]
-    if method == "dense" or not ms:
+    if method == "static-depth":
+        lines.append("None: the kept layers run for every token; the removed ones are gone from the checkpoint.")
+    elif method == "dense" or not ms:
         lines.append("None: every group runs for every token." if method == "dense" else "Not measured.")
     else:
         lines.append(
@@ -196,7 +213,10 @@ def render_model_card(wc: dict, *, export_format: str, name: str, files: dict[st
             ("With plain transformers: `config.json` and the weights are the base model's, so "
              f'`AutoModelForCausalLM.from_pretrained("{name}")` loads the **dense backbone only** '
              "(the routers in `routers.safetensors` are ignored: no token skips anything). "
-             "To run the routed model without wide, export with `wide export --format hf`."),
+             "To run the routed model without wide, export with `wide export --format hf`.")
+            if method != "static-depth" else
+            ("With plain transformers: this is a normal checkpoint with fewer layers (no routers): "
+             f'`AutoModelForCausalLM.from_pretrained("{name}")` loads exactly the pruned model.'),
         ]
     if files:
         lines += ["", "## Files", ""] + _table(

@@ -32,6 +32,7 @@ ARCH_PREFIX: dict[str, str] = {"llama": "Llama", "mistral": "Mistral", "qwen2": 
 COPIED: tuple[tuple[str, str], ...] = (
     ("wide_cli.routing.config", "GroupLayout"),
     ("wide_cli.routing.router", "Router"),
+    ("wide_cli.routing.router", "apply_standin"),
     ("wide_cli.routing.gumbel", "hard_gumbel_execute"),
     ("wide_cli.routing.gumbel", "argmax_execute"),
     ("wide_cli.routing.gumbel", "skip_fraction"),

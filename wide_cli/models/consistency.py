@@ -39,7 +39,7 @@ def weight_shapes(path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     for f in files:
         try:
             with safe_open(str(f), "pt") as sf:
-                for k in sf.keys():
+                for k in sf.keys():  # noqa: SIM118 -- safe_open is not a dict
                     shapes[k] = tuple(sf.get_slice(k).get_shape())
                     where[k] = f.name
         except Exception:  # noqa: BLE001 -- unreadable files are named by the loaders' own checks

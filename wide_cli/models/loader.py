@@ -12,8 +12,8 @@ Sources, in order of resolution:
 
 Every source ends up as a directory with ``config.json`` and tokenizer files (``LoadedModel.local_dir``)
 that export copies unchanged. Converted models live under ``$WIDE_CACHE/models`` (default
-``~/.cache/wide/models``); cache entries are written to a temp directory and renamed into place, so an
-interrupted conversion never leaves a directory that looks complete.
+``~/.cache/wide/models``); cache entries are written to a temp directory and renamed into place
+(``wide_cli.atomic``), so an interrupted conversion never leaves a directory that looks complete.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -34,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from wide_cli.atomic import atomic_directory
 from wide_cli.errors import ConfigError, DataError, ModelSourceError
 from wide_cli.models.arch import SUPPORTED_ARCHITECTURES, check_supported
 
@@ -172,35 +171,22 @@ def _read_source_file(d: Path) -> dict | None:
         return None
 
 
-def _publish_dir(tmp: Path, final: Path) -> None:
-    """Move a fully written ``tmp`` dir to ``final`` (replacing a stale one; losing a race is fine)."""
-    if final.exists():
-        stale = final.with_name(f".{final.name}.stale-{os.getpid()}-{time.monotonic_ns()}")
-        try:
-            os.replace(final, stale)
-        except OSError:
-            pass
-        shutil.rmtree(stale, ignore_errors=True)
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        # Another process published the same entry first: use theirs.
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (final / _SOURCE_FILE).exists():
-            raise
-
-
 def _build_cache_entry(final: Path, build) -> None:
-    """Run ``build(tmp_dir)`` in a temp dir next to ``final``, then publish it atomically."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared between users/jobs
+    """Run ``build(tmp_dir)`` in a temp dir next to ``final``, then publish it atomically
+    (``atomic_directory``: a stale entry is replaced only once the new one is complete).
+
+    Another process publishing the same entry meanwhile is fine (both are built from the same
+    source): the last complete one stays, and if the swap itself loses the race, theirs is used.
+    Raises what ``build`` raises; nothing is published then.
+    """
+    built = False
     try:
-        build(tmp)
-        _publish_dir(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_directory(final) as tmp:
+            build(tmp)
+            built = True
+    except OSError:
+        if not built or not (final / _SOURCE_FILE).exists():  # a failed build, not a lost race
+            raise
 
 
 def _sha256(path: Path) -> str:

@@ -23,6 +23,9 @@ class PruneResult:
         eval: ``{dense: {perplexity, ...}, pruned: {perplexity, ...}, protocol, data, unit}``.
         train: ``{steps, tokens, seconds}`` of stage 1 (+ ``stage2`` when run).
         seconds: wall time of the whole run, s.
+        cost: measured on the eval data (``wide_cli.cost``, routers not counted): ``{flops,
+            decode_bytes}`` fractions of dense, plus ``target`` / ``metric`` (the request, or None)
+            and ``error`` (measured minus target in the target's metric).
     """
 
     export_dir: Path
@@ -32,11 +35,13 @@ class PruneResult:
     settings: dict
     seconds: float
     calibration: dict = field(default_factory=dict)
+    cost: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
             "export_dir": str(self.export_dir),
             "sparsity": self.sparsity,
+            "cost": self.cost,
             "eval": self.eval,
             "train": self.train,
             "calibration": self.calibration,
@@ -61,8 +66,8 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
     info = distributed.init(settings.model.device)
     if not info.is_main:  # rank 0 alone logs, checkpoints and exports
         progress, log = False, (lambda msg: None)
+    loaded = stages.load_backbone(settings)  # bad settings fail here, before the run dir exists
     with (run_lock(run) if info.is_main else _nolock()):
-        loaded = stages.load_backbone(settings)
         log(f"[1/4] calibrate: model {settings.model.name}, data {settings.data.train}")
         if info.is_main:
             cal = stages.calibrate(settings, run, resume=resume, loaded=loaded)
@@ -86,7 +91,8 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
             sel = read_selection(run)
             train_info["static_depth"] = {k: sel[k] for k in ("removed", "num_layers", "cost_target",
                                                               "cost_metric", "cost_fraction")}
-        if settings.stage2.enabled and settings.routing.method not in ("dense", "static-width", "static-depth"):
+        if (settings.stage2.enabled and not settings.stage2.joint
+                and settings.routing.method not in ("dense", "static-width", "static-depth")):
             from wide_cli.train.lora import train_stage2
 
             distributed.barrier()
@@ -101,7 +107,15 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
         log("[4/4] evaluate: dense vs pruned perplexity")
         report = stages.evaluate(settings, run, out)
     sp = report.get("sparsity") or {}
+    cost = measured_cost(settings, loaded.model.config, sp, report.get("seq_len") or settings.train.seq_len)
+    if cost.get("error") is not None:
+        log(f"      cost on the eval tokens: {cost[cost['metric']]:.3f} of dense {cost['metric']} "
+            f"(target {cost['target']:.3f}, off by {cost['error']:+.3f})")
+        if abs(cost["error"]) > 0.02:
+            log("      warning: the measured cost misses the target by more than 0.02 (train longer, or a "
+                "larger --sparsity-weight)")
     return PruneResult(
+        cost=cost,
         export_dir=out,
         sparsity=sp,
         eval={k: report.get(k) for k in ("dense", "pruned", "protocol", "data", "unit", "seq_len")},
@@ -111,6 +125,19 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
         calibration={"train_sequences": cal.train_sequences, "heldout_sequences": cal.heldout_sequences,
                      "seconds": round(cal.seconds, 1)},
     )
+
+
+def measured_cost(settings: Settings, config, sparsity: dict, seq_len: int) -> dict:
+    """Cost fractions of dense at a measured sparsity (see ``PruneResult.cost``)."""
+    from wide_cli.cost import cost_model
+    from wide_cli.models.arch import model_shape
+
+    shape = model_shape(config)
+    out = {m: cost_model(shape, metric=m, seq_len=seq_len).relative(sparsity) for m in ("flops", "decode_bytes")}
+    target = settings.routing.cost_target
+    out.update(target=target, metric=settings.routing.cost_metric if target is not None else None,
+               error=None if target is None else out[settings.routing.cost_metric] - target)
+    return out
 
 
 @contextlib.contextmanager

@@ -1,10 +1,12 @@
-"""Shipped recipes (``recipes/*.toml`` in the repository)."""
+"""Shipped recipes (``recipes/*.toml`` in the repository, ``wide_cli/_data/recipes`` in a wheel)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+from wide_cli.resources import shipped_dir
+
+RECIPES_DIR = shipped_dir("recipes")
 
 
 def list_recipes() -> list[Path]:

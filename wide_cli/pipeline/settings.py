@@ -52,7 +52,9 @@ class DataSection:
 @dataclass(frozen=True)
 class Stage2Config:
     """LoRA recovery (DESIGN.md §1): rank 16, alpha 32, dropout 0.1 on q,k,v,o,gate,up,down;
-    routers keep training unless ``freeze_routers``; lr 2e-4."""
+    routers keep training unless ``freeze_routers``; lr 2e-4. ``joint``: train the LoRA adapters
+    together with the routers from the first stage-1 step (at ``lr``; the routers at
+    ``train.lr``) instead of in a separate stage 2 afterwards."""
 
     enabled: bool = False
     steps: int = 100
@@ -62,6 +64,7 @@ class Stage2Config:
     lora_dropout: float = 0.1
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     freeze_routers: bool = False
+    joint: bool = False
 
     def __post_init__(self):
         if self.steps < 1:

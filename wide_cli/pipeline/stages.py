@@ -66,6 +66,8 @@ def load_backbone(settings: Settings):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             resolve_groups(settings.routing, model_shape(loaded.model.config))
+    if settings.routing.method not in ("static-depth",):
+        settings.routing.check_reachable(model_shape(loaded.model.config), settings.train.seq_len)
     max_len = context_length(loaded.model.config)
     check_context(settings.train.seq_len, max_len, f"seq-len {settings.train.seq_len}",
                   f"pass --seq-len {max_len} or less")
@@ -203,7 +205,10 @@ def init_routers_from_statistics(model, stats, *, strength: float = 1.0) -> None
             z = torch.zeros_like(imp)
         else:
             z = (imp - imp.mean(1, keepdim=True)) / imp.std(1, keepdim=True).nan_to_num(1.0).clamp_min(1e-6)
-        t = min(max(state.cfg.target_for(module), 1e-3), 1 - 1e-3)
+        t = state.cfg.target_for(module)
+        if state.cfg.cost_target is not None:  # the uniform skip rate that meets the cost target
+            t = (1.0 - state.cfg.cost_target) / (1.0 - state.cfg.cost_model(state.shape).floor_fraction)
+        t = min(max(t, 1e-3), 1 - 1e-3)
         offset = math.log((1 - t) / t)
         for i, layer in enumerate(decoder_layers(model)):
             r = getattr(layer, f"router_{module}", None)
@@ -250,9 +255,6 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
 
     Returns the TrainResult (``steps=0`` when nothing trains).
     """
-    from safetensors.torch import save_file
-
-    from wide_cli.routing.model import router_state_dict
     from wide_cli.train.loop import TrainResult, train_stage
 
     from wide_cli.train.distributed import dist_info
@@ -265,32 +267,150 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
 
         return static_depth.train(settings, run, loaded=loaded, resume=resume, progress=progress)
     model = loaded.model
-    stats = _load_stats(run) if settings.routing.method == "static-width" or settings.run.router_init == "calibration" else None
+    rcfg = settings.routing
+    need_stats = (rcfg.method == "static-width" or settings.run.router_init == "calibration"
+                  or rcfg.standin != "none")
+    stats = _load_stats(run) if need_stats else None
     attach(settings, model, stats=stats)
     run.stage1.mkdir(parents=True, exist_ok=True)
-    if settings.routing.method in ("dense", "static-width"):
+    joint = settings.stage2.joint and rcfg.method not in ("dense", "static-width")
+    if rcfg.method in ("dense", "static-width"):
         res = TrainResult(0, 0, 0.0)
     else:
         if settings.run.router_init == "calibration":
             init_routers_from_statistics(model, stats)
+        if rcfg.standin != "none":
+            init_standins_from_statistics(model, stats)
         for n, p in model.named_parameters():
-            p.requires_grad_(".router_attention." in n or ".router_ffn." in n)
+            routed = ".router_attention." in n or ".router_ffn." in n
+            p.requires_grad_(routed and (not n.endswith(".standin") or rcfg.standin == "trained"))
         from wide_cli.train import distributed
 
         packed = _packed(settings, loaded.tokenizer, run)
         info = distributed.dist_info()
+        ident = _identity(settings, loaded, stage="stage1")
+        train_model, groups = model, None
+        if joint:
+            from wide_cli.train.lora import wrap_lora
+
+            torch.manual_seed(settings.train.seed)  # LoRA A's init draws from the global RNG
+            train_model = wrap_lora(model, settings.stage2)
+            for n, p in train_model.named_parameters():  # PEFT froze everything but the adapters
+                if ".router_attention." in n or ".router_ffn." in n:
+                    p.requires_grad_(not n.endswith(".standin") or rcfg.standin == "trained")
+            routers = [p for n, p in train_model.named_parameters() if p.requires_grad and "lora_" not in n]
+            lora = [p for n, p in train_model.named_parameters() if p.requires_grad and "lora_" in n]
+            groups = [{"params": routers, "lr": settings.train.lr}, {"params": lora, "lr": settings.stage2.lr}]
         res = train_stage(
-            model, packed.train, settings.train, stage_dir=run.stage1,
-            identity=_identity(settings, loaded, stage="stage1"), resume=resume, progress=progress,
+            train_model, packed.train, settings.train, stage_dir=run.stage1,
+            identity=ident, resume=resume, progress=progress,
             on_step=on_step, rank=info.rank, world=info.world,
-            ddp_model=distributed.wrap(model, settings.model.device),
+            ddp_model=distributed.wrap(train_model, settings.model.device), param_groups=groups,
         )
         if not info.is_main:
             return res
-    save_file(router_state_dict(model), str(run.stage1 / "routers.safetensors.tmp"))
-    Path(run.stage1 / "routers.safetensors.tmp").replace(run.stage1 / "routers.safetensors")
+        if rcfg.cost_target is not None:
+            res.final["skip_offset"] = calibrate_skip_offset(
+                train_model, packed.train[-8:], rcfg.cost_model(model.wide_routing.shape, settings.train.seq_len),
+                1.0 - rcfg.cost_target, batch_size=settings.eval.batch_size)
+    save_routers(model, run)
+    if joint:
+        from wide_cli.train.lora import save_joint_stage2
+
+        save_joint_stage2(train_model, settings, run, res)
     atomic_write_json(run.stage1 / "routers.json", {"routing": settings.routing.to_dict(), "train": res.to_dict()})
     return res
+
+
+def save_routers(model, run: RunDir) -> None:
+    """Write ``<run>/stage1/routers.safetensors`` (atomic rename)."""
+    from safetensors.torch import save_file
+
+    from wide_cli.routing.model import router_state_dict
+
+    save_file(router_state_dict(model), str(run.stage1 / "routers.safetensors.tmp"))
+    Path(run.stage1 / "routers.safetensors.tmp").replace(run.stage1 / "routers.safetensors")
+
+
+def init_standins_from_statistics(model, stats) -> None:
+    """Set every router's ``standin`` to its group's calibration-mean output (``standin_vectors``)."""
+    from wide_cli.calibrate.statistics import standin_vectors
+    from wide_cli.routing.model import decoder_layers
+
+    state = model.wide_routing
+    layers = decoder_layers(model)
+    for module in state.active_modules:
+        gs = state.layout.attn_group_size if module == "attention" else state.layout.ffn_group_size
+        vecs = standin_vectors(stats, model, module, gs)  # [L, G, D]
+        for i, layer in enumerate(layers):
+            r = getattr(layer, f"router_{module}", None)
+            if r is not None and getattr(r, "standin", None) is not None:
+                with torch.no_grad():
+                    r.standin.copy_(vecs[i].to(r.standin.dtype))
+
+
+@torch.no_grad()
+def calibrate_skip_offset(model, sequences: torch.Tensor, cost, target_skip: float, *, batch_size: int = 4,
+                          iters: int = 12, tol: float = 0.004) -> float:
+    """Shift every learned router's skip logits by one offset so that the deterministic (argmax)
+    decisions skip ``target_skip`` of the dense cost on ``sequences`` (training tokens).
+
+    Training samples hard Gumbel decisions, inference takes the argmax, so the trained routers
+    miss the requested cost at inference; one shared offset, found by bisection and folded into
+    the router biases, closes the gap without changing which groups each router prefers.
+
+    Args:
+        model: routed model (a PEFT wrapper is fine). sequences: ``[N, T]`` int64 training tokens.
+        cost: ``wide_cli.cost.CostModel``. target_skip: wanted cost-weighted skip fraction.
+    Returns:
+        the offset added to the skip logits (0.0 when already within ``tol``).
+    """
+    from wide_cli.routing.model import decoder_layers
+    from wide_cli.routing.router import Router
+
+    routers = [r for layer in decoder_layers(model) for r in (getattr(layer, "router_attention", None),
+                                                             getattr(layer, "router_ffn", None))
+               if isinstance(r, Router)]
+    state = model.wide_routing
+    device = next(model.parameters()).device
+    was_training, mode = model.training, state.mode
+    model.eval()
+    state.set_mode("argmax")
+
+    def shift(delta: float) -> None:
+        for r in routers:
+            r.router.bias[1::2] += delta  # logits are [.., G, 2]: odd entries are the skip logits
+
+    def measured() -> float:
+        counter = state.start_counting()
+        try:
+            for i in range(0, len(sequences), batch_size):
+                model(input_ids=sequences[i : i + batch_size].to(device), use_cache=False)
+        finally:
+            state.stop_counting()
+        return cost.skip_from_summary(counter.summary())
+
+    applied = 0.0
+    try:
+        s0 = measured()
+        if abs(s0 - target_skip) <= tol:
+            return 0.0
+        lo, hi = (0.0, 8.0) if s0 < target_skip else (-8.0, 0.0)
+        for _ in range(iters):
+            mid = (lo + hi) / 2
+            shift(mid - applied)
+            applied = mid
+            s = measured()
+            if abs(s - target_skip) <= tol:
+                break
+            if s < target_skip:
+                lo = mid
+            else:
+                hi = mid
+        return applied
+    finally:
+        state.set_mode(mode)
+        model.train(was_training)
 
 
 def routed_model_from_run(settings: Settings, run: RunDir, *, loaded=None):
@@ -306,7 +426,7 @@ def routed_model_from_run(settings: Settings, run: RunDir, *, loaded=None):
     model = loaded.model
     stats = _load_stats(run) if settings.routing.method == "static-width" else None
     attach(settings, model, stats=stats)
-    if settings.stage2.enabled and (run.stage2 / "adapter.safetensors").is_file():
+    if (settings.stage2.enabled or settings.stage2.joint) and (run.stage2 / "adapter.safetensors").is_file():
         from wide_cli.train.lora import apply_stage2
 
         from wide_cli.train.lora import stage1_routers_sha256
@@ -367,6 +487,9 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
     from wide_cli.export.writer import export_model
     from wide_cli.routing.config import resolve_groups
 
+    if export_format == "hf" and settings.routing.standin != "none":
+        raise ConfigError(f"--format hf cannot carry the stand-ins of standin={settings.routing.standin!r}",
+                          "export with --format wide (the runtime, wide eval and wide bench apply them)")
     if settings.routing.method == "static-depth":
         from wide_cli.pipeline import static_depth
 
@@ -400,7 +523,8 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
         "lora": (
             {"merged": True, "rank": settings.stage2.lora_rank, "alpha": settings.stage2.lora_alpha,
              "target_modules": list(settings.stage2.target_modules)}
-            if settings.stage2.enabled and (run.stage2 / "adapter.safetensors").is_file() else None
+            if (settings.stage2.enabled or settings.stage2.joint) and (run.stage2 / "adapter.safetensors").is_file()
+            else None
         ),
         "train": train_info,
         "settings": shareable_settings(settings.to_dict()),

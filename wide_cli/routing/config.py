@@ -12,6 +12,9 @@ METHODS = ("wide", "dynamic-depth", "static-width", "static-depth", "dense")
 #: What ``cost_target`` is a fraction of: dense per-token FLOPs or decode weight bytes read
 #: (``wide_cli.cost.METRICS``).
 COST_METRICS = ("flops", "decode_bytes")
+#: What a skipped group contributes: nothing, or a fixed stand-in (its calibration-mean output),
+#: or the same stand-in trained with the routers.
+STANDINS = ("none", "mean", "trained")
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,17 @@ class RoutingConfig:
         sparsity_weight: lambda in ``loss = CE + lambda * |s_target - s_hat|``.
         route_attention / route_ffn: which modules get routers.
         tau_start / tau_end: Gumbel-softmax temperature, annealed linearly over optimizer steps.
-        cost_target: static-depth: the per-token cost to reach, a fraction of dense in (0, 1)
-            (None = 0.75); cost_metric: what it is a fraction of, ``flops`` or ``decode_bytes``.
+        cost_target: the per-token cost to reach, a fraction of dense in (0, 1), as
+            ``cost_metric`` measures it (``wide_cli.cost``): ``flops`` (dense per-token FLOPs) or
+            ``decode_bytes`` (weight bytes a batch-1 decode step reads). When set, the sparsity
+            loss drives the cost-weighted skip fraction to ``1 - cost_target`` and replaces the
+            ``sparsity`` targets (which stay the paper's unweighted group fraction).
+        sparsity_warmup: fraction of the training steps over which the sparsity target ramps
+            linearly from 0 to its value (0 = the full target from step 1).
+        standin: what a skipped group contributes: ``none`` (zero, the paper), ``mean`` (its
+            calibration-mean output, a bias vector per group; FLAP / Informed Routing), or
+            ``trained`` (that vector, trained with the routers).
+            For static-depth, the cost layer removal reaches (None = 0.75).
     """
 
     method: str = "wide"
@@ -52,6 +64,8 @@ class RoutingConfig:
     tau_end: float = 0.5
     cost_target: float | None = None
     cost_metric: str = "flops"
+    sparsity_warmup: float = 0.0
+    standin: str = "none"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -80,6 +94,11 @@ class RoutingConfig:
                               "use e.g. 0.75 for 75 % of the dense model's per-token cost")
         if self.cost_metric not in COST_METRICS:
             raise ConfigError(f"unknown cost-metric {self.cost_metric!r}", f"choose one of {', '.join(COST_METRICS)}")
+        if not 0.0 <= self.sparsity_warmup < 1.0:
+            raise ConfigError(f"sparsity-warmup {self.sparsity_warmup} must be in [0, 1)",
+                              "a fraction of the training steps, e.g. 0.2")
+        if self.standin not in STANDINS:
+            raise ConfigError(f"unknown standin {self.standin!r}", f"choose one of {', '.join(STANDINS)}")
         if not (self.route_attention or self.route_ffn) and self.method != "dense":
             raise ConfigError("at least one of attention / ffn must be routed")
 
@@ -87,6 +106,24 @@ class RoutingConfig:
     def per_module_targets(self) -> bool:
         """True when per-module targets replace the shared one."""
         return self.sparsity_attention is not None
+
+    def cost_model(self, shape: ModelShape, seq_len: int | None = None):
+        """The ``wide_cli.cost`` model of ``cost_metric`` for this routing on ``shape``."""
+        from wide_cli.cost import cost_model
+
+        layout = resolve_groups(self, shape, warn=False)
+        return cost_model(shape, metric=self.cost_metric, attn_group_size=layout.attn_group_size,
+                          ffn_group_size=layout.ffn_group_size, seq_len=seq_len)
+
+    def check_reachable(self, shape: ModelShape, seq_len: int | None = None) -> None:
+        """Raise ConfigError (naming the value and the reachable range) when ``cost_target`` is
+        below the dense floor (K/V projections, norms, embeddings, lm_head) of ``shape``."""
+        if self.cost_target is None or self.method in ("dense", "static-width"):
+            return
+        try:
+            self.cost_model(shape, seq_len).check_cost_target(float(self.cost_target), what="cost-target")
+        except ValueError as e:
+            raise ConfigError(str(e), "choose a cost-target inside that range") from None
 
     def target_for(self, module: str) -> float:
         """Sparsity target of ``module`` ('attention' or 'ffn')."""

@@ -1,7 +1,8 @@
 """The routed decoder layer: reference (masking) semantics of DESIGN.md §1.
 
 Skipped query-head groups contribute zero before ``o_proj``; skipped FFN channel groups are zero
-in ``act(gate) * up`` before ``down_proj``. K/V projections, the KV cache, norms and residual
+in ``act(gate) * up`` before ``down_proj``; with stand-ins (``RoutingConfig.standin``) each skipped
+group's stand-in vector is added to the module output instead. K/V projections, the KV cache, norms and residual
 adds stay dense. Submodules are called through their attributes, so PEFT-wrapped projections
 (LoRA) see the same masking.
 """
@@ -13,6 +14,8 @@ from typing import Callable
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+
+from wide_cli.routing.router import apply_standin
 
 
 def expand_groups(execute: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -175,6 +178,8 @@ def _routed_layer_body(self, hidden_states, attention_mask, position_ids, cache,
     h = routed_attention(
         self.self_attn, h, position_embeddings, attention_mask, cache, head_exec, position_ids=position_ids, **kwargs
     )
+    if attn_exec is not None:
+        h = apply_standin(h, attn_exec, getattr(getattr(self, "router_attention", None), "standin", None))
     hidden_states = residual + h
 
     residual = hidden_states
@@ -182,6 +187,8 @@ def _routed_layer_body(self, hidden_states, attention_mask, position_ids, cache,
     chan_exec = None if ffn_exec is None else expand_groups(ffn_exec, state.layout.ffn_group_size)
     h = self.post_attention_layernorm(hidden_states)
     h = routed_mlp(self.mlp, h, chan_exec)
+    if ffn_exec is not None:
+        h = apply_standin(h, ffn_exec, getattr(getattr(self, "router_ffn", None), "standin", None))
     return residual + h
 
 

@@ -76,7 +76,7 @@ def attach_routers(model, cfg: RoutingConfig, *, static_keep: dict | None = None
                 keep = None if static_keep is None else static_keep.get((i, module))
                 router = StaticRouter(groups, keep)
             else:
-                router = Router(shape.hidden_size, cfg.router_rank, groups)
+                router = Router(shape.hidden_size, cfg.router_rank, groups, standin=cfg.standin != "none")
             setattr(layer, f"router_{module}", router.to(device))
     model.wide_routing = state
     model.register_forward_pre_hook(_capture_valid(state), with_kwargs=True)

@@ -23,13 +23,18 @@ class Router(nn.Module):
     Parameters (names match the export format ``router_{attention,ffn}.{compressor,router}``):
         compressor: Linear(D, r), kaiming-uniform (linear gain) weight, zero bias.
         router: Linear(r, 2G), kaiming-uniform (linear gain) weight, zero bias.
+        standin: ``[G, D]`` fp32, only with ``standin=True``: what each group adds to the module
+            output when it is skipped (``RoutingConfig.standin``); zeros until initialised from
+            the calibration statistics. Absent otherwise, so a model without stand-ins pays nothing.
     """
 
-    def __init__(self, hidden_size: int, rank: int, num_groups: int):
+    def __init__(self, hidden_size: int, rank: int, num_groups: int, *, standin: bool = False):
         super().__init__()
         self.num_groups = num_groups
         self.compressor = nn.Linear(hidden_size, rank, dtype=torch.float32)
         self.router = nn.Linear(rank, 2 * num_groups, dtype=torch.float32)
+        if standin:
+            self.standin = nn.Parameter(torch.zeros(num_groups, hidden_size, dtype=torch.float32))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -42,6 +47,22 @@ class Router(nn.Module):
         x = hidden.to(self.compressor.weight.dtype)
         logits = self.router(self.compressor(x))
         return logits.view(*hidden.shape[:-1], self.num_groups, 2)
+
+
+def apply_standin(out: torch.Tensor, execute: torch.Tensor, standin: torch.Tensor | None) -> torch.Tensor:
+    """Add the stand-ins of the skipped groups to a module output.
+
+    Args:
+        out: ``[..., D]`` the module output with skipped groups contributing zero.
+        execute: ``[..., G]`` (1 = execute; float with STE gradients, or bool).
+        standin: ``[G, D]`` or None (no stand-ins: ``out`` is returned unchanged, no work done).
+    Returns:
+        ``out + (1 - execute) @ standin``, in ``out``'s dtype.
+    """
+    if standin is None:
+        return out
+    skipped = 1.0 - execute.to(torch.float32)
+    return out + (skipped @ standin.to(torch.float32)).to(out.dtype)
 
 
 class StaticRouter(nn.Module):

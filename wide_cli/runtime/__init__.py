@@ -5,7 +5,8 @@ KV cache, skipping routed work for real (DESIGN.md §3).
 - ``backend.py``: the ``Backend`` protocol, the ``BACKENDS`` table, backend-neutral weights and
   the strict checkpoint reader.
 - ``reference.py`` (masking oracle), ``cpu.py`` (work-skipping PyTorch); ``cupy_backend.py`` is
-  imported lazily through ``BACKENDS``.
+  imported lazily through ``BACKENDS``; its operators are ``cupy_ops.py``, over ``cuda/`` (kernel
+  sources, builds, registry, launches, verification; ``make gpu-check`` is ``wide_cli/gpu_check``).
 - ``engine.py``: ``Runtime`` (prefill, decode, generate); ``kv_cache.py``; ``sampling.py``;
   ``bench.py`` (``wide bench``).
 

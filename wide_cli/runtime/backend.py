@@ -28,12 +28,15 @@ class RouterWeights:
     Attributes:
         wc, bc: compressor ``[r, D]``, ``[r]``.
         wr, br: router ``[2G, r]``, ``[2G]``.
+        standin: ``[G, D]`` what each skipped group adds to the module output
+            (``RoutingConfig.standin``), or None (skipped groups add nothing).
     """
 
     wc: torch.Tensor
     bc: torch.Tensor
     wr: torch.Tensor
     br: torch.Tensor
+    standin: torch.Tensor | None = None
 
     @property
     def groups(self) -> int:
@@ -510,9 +513,12 @@ def _layer_weights(i, w, D, d, info: RoutingInfo, r_att, r_ffn, window) -> Layer
             keeps[mod] = None if bool(keep.all()) else keep
             continue
         need = {"compressor.weight", "compressor.bias", "router.weight", "router.bias"}
-        if set(t) != need:
-            raise shape_err(f"router_{mod} tensors {sorted(t)} != {sorted(need)}")
-        rw = RouterWeights(t["compressor.weight"], t["compressor.bias"], t["router.weight"], t["router.bias"])
+        if set(t) - {"standin"} != need:
+            raise shape_err(f"router_{mod} tensors {sorted(t)} != {sorted(need)} (+ optional standin)")
+        rw = RouterWeights(t["compressor.weight"], t["compressor.bias"], t["router.weight"], t["router.bias"],
+                           t.get("standin"))
+        if rw.standin is not None and tuple(rw.standin.shape) != (G, D):
+            raise shape_err(f"router_{mod}.standin has shape {tuple(rw.standin.shape)}, expected ({G}, {D})")
         if rw.wc.shape[1] != D or rw.wr.shape[0] != 2 * G or rw.wr.shape[1] != rw.wc.shape[0]:
             raise shape_err(
                 f"router_{mod} shapes compressor {tuple(rw.wc.shape)} router {tuple(rw.wr.shape)} "

@@ -6,8 +6,8 @@ clean); constructing ``CupyBackend`` without a usable CUDA device raises ``Confi
 
 Weight layout, built once in ``prepare_layer``:
 - ``wqkv [(H + 2 H_kv) d, D]``: Q rows, then K, V rows. ``wq`` and ``wkv`` are contiguous row
-  views of it: the routed Q projection reads ``wq``; K/V stay dense (one cuBLAS GEMM, B06); the
-  dense path (no mask) is a single GEMM over all of it.
+  views of it: the routed Q projection reads ``wq``; K/V stay dense (one cuBLAS GEMM: later tokens
+  attend to every token's K/V); the dense path (no mask) is a single GEMM over all of it.
 - ``w_gu [2F, D]``: gate rows then up rows, with contiguous views ``w_gate``, ``w_up``; the
   dense path is one GEMM.
 - ``wo [D, H d]``, ``w_down [D, F]``: Hugging Face layout; ``gemm_k`` reads only the column
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from wide_cli.errors import ConfigError
 from wide_cli.runtime import cupy_ops
 from wide_cli.runtime.backend import LayerWeights
+from wide_cli.runtime.cuda.launch import cuda_status
 
 
 @dataclass
@@ -53,7 +54,7 @@ class CupyBackend:
     name = "cupy"
 
     def __init__(self, device: str | torch.device = "cuda"):
-        why = cupy_ops.cuda_status()
+        why = cuda_status()
         if why is not None:
             raise ConfigError(
                 f"backend 'cupy' cannot run: {why}",
@@ -98,7 +99,7 @@ class CupyBackend:
             bq = None if p.bqkv is None else p.bqkv[:nq]
             bkv = None if p.bqkv is None else p.bqkv[nq:]
             q = cupy_ops.gemm_mn(x, p.wq, mask, p.attn_cols, bq)
-            kv = F.linear(x, p.wqkv[nq:], bkv)  # dense: every token's K/V (B06)
+            kv = F.linear(x, p.wqkv[nq:], bkv)  # every token's K/V, routed or not (later tokens read them)
         nkv = kv.shape[1] // 2
         return q, kv[:, :nkv], kv[:, nkv:]
 

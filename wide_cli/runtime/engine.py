@@ -155,6 +155,7 @@ class _LayerMeta:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     routers: dict  # module -> (w [G, D], b [G]) fp32 from _fold_router, or None
+    standins: dict  # module -> [G, D] fp32 stand-in of each skipped group, or None
     keeps: dict  # module -> [G] bool, or None
     window: int | None
 
@@ -394,6 +395,8 @@ class Runtime:
             q_norm=None if lw.q_norm is None else lw.q_norm.to(dev, self.dtype),
             k_norm=None if lw.k_norm is None else lw.k_norm.to(dev, self.dtype),
             routers={"attention": r(lw.router_attention), "ffn": r(lw.router_ffn)},
+            standins={mod: None if rw is None or rw.standin is None else rw.standin.to(dev, torch.float32)
+                      for mod, rw in (("attention", lw.router_attention), ("ffn", lw.router_ffn))},
             keeps={"attention": k(lw.keep_attention), "ffn": k(lw.keep_ffn)},
             window=lw.window,
         )  # fmt: skip
@@ -470,10 +473,12 @@ class Runtime:
                 q, kk, vv, head_mask, key_valid=ctx.key_valid, q_offset=ctx.start, scale=scale, window=m.window
             )
         x = x + be.attn_out(p, o.reshape(M, H * d), mflat).view(B, T, D)
+        x = _add_standin(x, ex, m.standins["attention"])
         # --- FFN: router on the residual stream after the attention add
         ex = self._decide(m, "ffn", x, ctx)
         h = rms_norm(x, m.ln_ffn, self.eps).reshape(M, D)
-        return x + be.mlp(p, h, None if ex is None else ex.reshape(M, -1)).view(B, T, D)
+        x = x + be.mlp(p, h, None if ex is None else ex.reshape(M, -1)).view(B, T, D)
+        return _add_standin(x, ex, m.standins["ffn"])
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, valid: torch.Tensor | None, cache: KVCache, *,
@@ -670,6 +675,14 @@ class Runtime:
             new_tokens=sum(len(t) for t in out_tokens), prefill_s=t_prefill, decode_s=t_decode,
             sparsity=self.stats.summary(),
         )  # fmt: skip
+
+
+def _add_standin(x: torch.Tensor, execute: torch.Tensor | None, standin: torch.Tensor | None) -> torch.Tensor:
+    """``x [B, T, D] + (~execute) @ standin`` (fp32 product, like the routed HF layer), or ``x``
+    untouched when the module has no stand-ins or ran dense."""
+    if standin is None or execute is None:
+        return x
+    return x + ((~execute).to(torch.float32) @ standin).to(x.dtype)
 
 
 def fake_quantize(weights: ModelWeights) -> ModelWeights:

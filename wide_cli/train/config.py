@@ -28,6 +28,11 @@ class TrainConfig:
             Trainable parameters and optimizer state are fp32 in every case.
         grad_checkpointing: keep only each decoder layer's input and recompute the layer during
             backward (less activation memory, about one extra forward of compute).
+        distill: weight of distillation to the dense model in the LM term:
+            ``(1 - distill) * CE + distill * T^2 * KL(dense || routed)`` on the logits at temperature
+            ``distill_temperature`` (Hinton et al. 2015). The teacher is the same frozen backbone
+            with routing off (and LoRA disabled): one extra no-grad forward per step, no second copy
+            of the model. 0 = the paper's LM loss alone; 1 = distillation alone.
         max_memory: bytes one training process may use, e.g. ``"24GiB"`` (None: what the device
             has free). The memory plan refuses to start above it (``wide_cli.train.memory``).
     """
@@ -45,8 +50,14 @@ class TrainConfig:
     dtype: str = "fp32"
     grad_checkpointing: bool = False
     max_memory: str | None = None
+    distill: float = 0.0
+    distill_temperature: float = 1.0
 
     def __post_init__(self):
+        if not 0.0 <= self.distill <= 1.0:
+            raise ConfigError(f"distill {self.distill} must be in [0, 1]", "0 = LM loss only, 1 = distillation only")
+        if not self.distill_temperature > 0:
+            raise ConfigError(f"distill-temperature {self.distill_temperature} must be > 0")
         for name in ("steps", "batch_size", "grad_accum", "seq_len"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} {getattr(self, name)} must be >= 1")

@@ -8,6 +8,7 @@ shard of each global batch (``train.data_order.batch_indices``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -75,6 +76,35 @@ def wrap(model, device: str):
     return torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
 
 
+@contextlib.contextmanager
+def rank0_lock(run):
+    """Hold the run directory's lock on rank 0 for the block (every process runs it).
+
+    Only rank 0 writes, so only it locks; when it cannot (another job holds the run), every
+    rank raises the same CheckpointError instead of the others waiting in a collective.
+    """
+    from wide_cli.errors import CheckpointError
+    from wide_cli.pipeline.rundir import run_lock
+
+    info = dist_info()
+    if not info.enabled:
+        with run_lock(run):
+            yield
+        return
+    with contextlib.ExitStack() as stack:
+        msg = [None]
+        if info.is_main:
+            try:
+                stack.enter_context(run_lock(run))
+            except CheckpointError as e:
+                msg = [str(e)]
+        if torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(msg, src=0)
+        if msg[0] is not None:
+            raise CheckpointError(msg[0])
+        yield
+
+
 def without_option(argv: list[str], name: str) -> list[str]:
     """``argv`` without the option ``name`` and its value, in either form (``--nproc 2`` or
     ``--nproc=2``); everything else keeps its order."""
@@ -89,11 +119,15 @@ def without_option(argv: list[str], name: str) -> list[str]:
     return out
 
 
-def relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
+def relaunch_with_torchrun(nproc: int, argv: list[str], *, threads: int | None = None) -> int:
     """Re-execute ``wide <argv>`` under ``torch.distributed.run`` with ``nproc`` processes and
-    return its exit code (the ``--nproc`` shortcut)."""
+    return its exit code (the ``--nproc`` shortcut). ``threads``: CPU threads of each process,
+    set in ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` before the processes import torch."""
     import subprocess
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "wide_cli", *argv]
-    return subprocess.call(cmd)
+    env = dict(os.environ)
+    if threads is not None:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return subprocess.call(cmd, env=env)

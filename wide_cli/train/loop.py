@@ -1,7 +1,10 @@
 """The training loop shared by stage 1 (routers) and stage 2 (LoRA + routers).
 
 Loss (DESIGN.md §1): ``LM cross-entropy + lambda * |s_target - s_hat|`` with hard Gumbel-softmax
-decisions (STE) and a temperature annealed linearly over optimizer steps. Checkpoints are
+decisions (STE) and a temperature annealed linearly over optimizer steps. With a cost target
+(``RoutingConfig.cost_target``), ``s_hat`` is the cost-weighted skip fraction (``wide_cli.cost``)
+and ``s_target = 1 - cost_target``; with ``TrainConfig.distill`` the LM term mixes in
+``T^2 * KL(dense || routed)``; ``RoutingConfig.sparsity_warmup`` ramps the target up from 0. Checkpoints are
 atomic directories; ``resume=True`` continues bit-for-bit where the last checkpoint stopped.
 """
 
@@ -79,11 +82,14 @@ def save_checkpoint(stage_dir: Path, model, optimizer, scheduler, meta: dict, rn
         atomic_write_json(tmp / "state.json", meta)
 
 
-def load_checkpoint(stage_dir: Path, model, optimizer, scheduler, identity: dict) -> tuple[dict, dict]:
+def load_checkpoint(stage_dir: Path, model, optimizer, scheduler, identity: dict, *,
+                    world: int = 1) -> tuple[dict, dict]:
     """Restore a checkpoint written by ``save_checkpoint``; returns ``(meta, rng)``.
 
     Raises:
-        CheckpointError: unreadable files, or a checkpoint made for another model / settings.
+        CheckpointError: unreadable files, a checkpoint made for another model / settings, or by
+            another number of processes ``world`` (the global batch, and so the data and the
+            Gumbel noise of every later step, would differ from the interrupted run's).
     """
     from safetensors.torch import load_file
 
@@ -94,6 +100,16 @@ def load_checkpoint(stage_dir: Path, model, optimizer, scheduler, identity: dict
         blob = torch.load(ck / "optimizer.pt", weights_only=False)
     except Exception as e:  # any unreadable piece means the same to the user
         raise CheckpointError(f"cannot read checkpoint {ck}: {e}", "delete it to start over") from None
+    def procs(n):
+        return f"{n} process{'es' if n != 1 else ''}"
+
+    if int(meta.get("world", 1)) != world:
+        raise CheckpointError(
+            f"--resume: checkpoint in {stage_dir} was written by {procs(int(meta.get('world', 1)))}, "
+            f"this run has {procs(world)}",
+            f"resume with {procs(int(meta.get('world', 1)))} (--nproc / torchrun --nproc-per-node), "
+            "or drop --resume to start over",
+        )
     if meta.get("identity") != identity:
         diff = sorted(
             k for k in set(identity) | set(meta.get("identity", {}))
@@ -158,6 +174,7 @@ def train_stage(
     ddp_model=None,
     on_step=None,
     tau: tuple[float, float] | None = None,
+    param_groups: list[dict] | None = None,
 ) -> TrainResult:
     """Train the parameters of ``model`` that require grad (routers; plus LoRA in stage 2).
 
@@ -174,6 +191,9 @@ def train_stage(
         on_step: optional callback ``(step, metrics)`` after each optimizer step (tests, signals).
         tau: ``(start, end)`` Gumbel temperatures, annealed linearly over this stage's steps;
             None = the routing config's ``tau_start``/``tau_end`` (stage 1).
+        param_groups: AdamW parameter groups (``[{"params": [...], "lr": x}, ...]``) when the
+            trainable parameters need different learning rates (routers and LoRA trained jointly);
+            None = every trainable parameter at ``cfg.lr``.
 
     Returns:
         TrainResult.
@@ -199,13 +219,15 @@ def train_stage(
     if rank == 0 and progress:
         _log(plan.render())
     check_plan(plan, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups or params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    cost = rcfg.cost_model(state.shape, cfg.seq_len) if rcfg.cost_target is not None and modules else None
+    warm_steps = int(round(rcfg.sparsity_warmup * cfg.steps))
     scheduler = _lr_scheduler(optimizer, cfg)
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 17)  # same on every rank
     torch.manual_seed(cfg.seed + rank)
     start, elapsed, history, resumed_from = 0, 0.0, [], None
     if resume and (stage_dir / CHECKPOINT / "state.json").is_file():
-        meta, rng = load_checkpoint(stage_dir, model, optimizer, scheduler, identity)
+        meta, rng = load_checkpoint(stage_dir, model, optimizer, scheduler, identity, world=world)
         start, elapsed, history = meta["step"], meta["seconds"], meta.get("history", [])
         resumed_from = start
         gen.set_state(rng["gumbel"][rank] if isinstance(rng["gumbel"], list) else rng["gumbel"])
@@ -236,6 +258,7 @@ def train_stage(
         return {
             "step": step,
             "tokens": step * cfg.tokens_per_step * world,
+            "world": world,
             "seconds": elapsed,
             "history": history,
             "identity": identity,
@@ -248,7 +271,12 @@ def train_stage(
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
             state.tau = temperature_at(step, cfg.steps, *taus)
+            ramp = min(1.0, (step + 1) / warm_steps) if warm_steps > 0 else 1.0
             sums = {"loss": 0.0, "lm_loss": 0.0, **{f"s_{m}": 0.0 for m in modules}}
+            if cost is not None:
+                sums["cost"] = 0.0
+            if cfg.distill > 0:
+                sums["kl"] = 0.0
             for micro in range(cfg.grad_accum):
                 idx = batch_indices(len(data), cfg.batch_size, step * cfg.grad_accum + micro, cfg.seed,
                                     rank=rank, world=world)
@@ -257,10 +285,24 @@ def train_stage(
                 state.records.clear()  # wrappers (PEFT, DDP) may bypass the model's pre-hook
                 state.valid = None  # packed sequences: every token is valid
                 with ctx:
+                    teacher = _teacher_logits(model, fwd, ids) if cfg.distill > 0 else None
+                    state.records.clear()
                     out = fwd(input_ids=ids, labels=ids, use_cache=False)  # no KV cache in training
                     s_hat = state.measured_s_hat()
-                    sp = sparsity_loss(s_hat, targets, rcfg.per_module_targets) if s_hat else out.loss * 0
-                    loss = out.loss.float() + rcfg.sparsity_weight * sp
+                    if cost is not None and state.records:
+                        s_w = cost.weighted_skip({(i, m): f for i, m, f in state.records})
+                        sp = (ramp * (1.0 - rcfg.cost_target) - s_w).abs()
+                        sums["cost"] += (1.0 - s_w.item()) / cfg.grad_accum
+                    elif s_hat:
+                        sp = sparsity_loss(s_hat, {m: t * ramp for m, t in targets.items()}, rcfg.per_module_targets)
+                    else:
+                        sp = out.loss * 0
+                    lm = out.loss.float()
+                    if teacher is not None:
+                        kl = distillation_loss(out.logits, teacher, cfg.distill_temperature)
+                        sums["kl"] += kl.item() / cfg.grad_accum
+                        lm = (1.0 - cfg.distill) * lm + cfg.distill * kl
+                    loss = lm + rcfg.sparsity_weight * sp
                 if not torch.isfinite(loss):
                     raise TrainingDivergedError(
                         f"non-finite loss ({loss.item()}) at step {step + 1}; "
@@ -291,6 +333,8 @@ def train_stage(
                 elapsed += dt
                 completed, snapshot = step + 1, rng_snapshot()
                 active = [sums[f"s_{m}"] for m in modules]
+                if warm_steps > 0:
+                    sums["target_ramp"] = ramp
                 metrics = {
                     "step": step + 1,
                     **{k: round(v, 5) for k, v in sums.items()},
@@ -326,6 +370,41 @@ def train_stage(
         save_checkpoint(stage_dir, model, optimizer, scheduler, meta_for(cfg.steps), rng_snapshot())
         atomic_write_json(stage_dir / RESULT, {**result.to_dict(), "history": history, "identity": identity})
     return result
+
+
+def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``T^2 * KL(softmax(teacher / T) || softmax(student / T))``, summed over the vocabulary and
+    averaged over positions (Hinton et al. 2015, "Distilling the Knowledge in a Neural Network").
+
+    Args:
+        student: ``[B, T, V]`` logits (gradients flow); teacher: ``[B, T, V]`` logits (no grad).
+        temperature: T > 0.
+    Returns:
+        0-dim float32; exactly 0 when the logits are equal.
+    """
+    t = float(temperature)
+    log_p = torch.log_softmax(teacher.float() / t, dim=-1)
+    log_q = torch.log_softmax(student.float() / t, dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return kl.mean() * (t * t)
+
+
+@torch.no_grad()
+def _teacher_logits(model, fwd, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of the dense teacher: the same frozen backbone with routing off and LoRA adapters
+    disabled (no second copy of the weights). Leaves the routing mode as it found it."""
+    import contextlib
+
+    state = model.wide_routing
+    mode = state.mode
+    ctx = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
+    state.set_mode("dense")
+    try:
+        with ctx:
+            return fwd(input_ids=ids, use_cache=False).logits.detach()
+    finally:
+        state.set_mode(mode)
+        state.records.clear()
 
 
 class _defer_sigint:

@@ -162,6 +162,22 @@ def train_stage2(settings: Settings, run, *, resume: bool = False, progress: boo
     return res
 
 
+def save_joint_stage2(peft_model, settings: Settings, run, res) -> None:
+    """After stage 1 trained LoRA jointly with the routers (``stage2.joint``): write the adapter
+    and routers where ``wide export`` looks for a stage 2 (``<run>/stage2/``), with a
+    ``result.json`` whose identity names the stage-1 routers they belong to."""
+    from wide_cli.atomic import atomic_write_json
+    from wide_cli.routing.model import router_state_dict
+
+    run.stage2.mkdir(parents=True, exist_ok=True)
+    save_file(adapter_state_dict(peft_model), str(run.stage2 / (ADAPTER + ".tmp")))
+    (run.stage2 / (ADAPTER + ".tmp")).replace(run.stage2 / ADAPTER)
+    save_file(router_state_dict(peft_model), str(run.stage2 / (ROUTERS + ".tmp")))
+    (run.stage2 / (ROUTERS + ".tmp")).replace(run.stage2 / ROUTERS)
+    atomic_write_json(run.stage2 / "result.json", {**res.to_dict(), "joint": True, "identity": {
+        "stage1_routers_sha256": stage1_routers_sha256(run)}})
+
+
 def stage1_routers_sha256(run) -> str | None:
     """sha256 of ``<run>/stage1/routers.safetensors`` (None when absent)."""
     from wide_cli.export.manifest import sha256_file

@@ -90,7 +90,7 @@ def bench_cmd(
     """Benchmark EXPORT: prefill and decode tokens/s for dense HF, the runtime's dense mode and
     the routed backends, with speedups, measured sparsity and the ideal bound."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.runtime.bench import BenchConfig, run_bench
 
     quiet_libraries()

@@ -49,7 +49,7 @@ def compare_cmd(
     the measured decode (batch 1) and prefill speedup on the runtime, in one table and one
     Pareto plot (quality against measured decode speedup)."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.eval import progress, run
     from wide_cli.eval.compare import SpeedConfig, compare, table_lines
 

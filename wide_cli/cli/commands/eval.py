@@ -56,16 +56,20 @@ def eval_cmd(
     cache_dir: Annotated[Path | None, typer.Option(
         "--cache-dir", help="Reuse each model's results from DIR when model, data, settings and code match; store new ones there.")] = None,
     trust_remote_code: o.TrustRemoteCodeOpt = False,
+    threads: o.ThreadsOpt = None,
     json_out: o.JsonOpt = False,
 ):
     """Evaluate models: WikiText-2 perplexity (token-level and lm-eval word-level), zero-shot
     accuracy (acc and acc_norm), measured sparsity and routed FLOPs, in one table."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.eval import run
     from wide_cli.eval.report import render_table
 
     quiet_libraries()
+    from wide_cli.cli.threads import apply_threads
+
+    apply_threads(threads)
     if run_dir is not None:
         return _eval_run(run_dir, json_out)
     if not targets:

@@ -37,7 +37,7 @@ def generate_cmd(
     weights: Annotated[str | None, typer.Option(
         "--weights", help="Weight format: fp32 | bf16 | int8 (int8: weight-only, bf16 activations; default: the "
         "export's stored format, else fp32).")] = None,
-    threads: Annotated[int | None, typer.Option("--threads", help="Torch CPU threads.")] = None,
+    threads: o.ThreadsOpt = None,
     json_out: o.JsonOpt = False,
 ):
     """Generate text from MODEL (an export, or a dense model spec) with the runtime, streaming
@@ -45,16 +45,15 @@ def generate_cmd(
     through each, continuations side by side."""
     import sys
 
-    import torch
-
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.runtime.engine import Runtime
     from wide_cli.runtime.sampling import SamplingConfig
 
     quiet_libraries()
-    if threads is not None:
-        torch.set_num_threads(threads)
+    from wide_cli.cli.threads import apply_threads
+
+    apply_threads(threads)
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
     if weights is not None:
         from wide_cli.runtime.quant import check_format

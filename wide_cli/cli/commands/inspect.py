@@ -28,10 +28,10 @@ def inspect_cmd(
 ):
     """Inspect an export: sizes, settings, sparsity per layer and module, per-token routing."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.errors import ConfigError, DataError
-    from wide_cli.inspect import inspect_export
-    from wide_cli.inspect.render import render as render_report
+    from wide_cli.inspection import inspect_export
+    from wide_cli.inspection.render import render as render_report
 
     if seq_len < 1 or max_tokens < 2:
         raise ConfigError(f"--seq-len {seq_len} / --max-tokens {max_tokens} too small", "use --seq-len >= 1, --max-tokens >= 2")

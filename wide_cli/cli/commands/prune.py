@@ -25,6 +25,11 @@ def prune_cmd(
     router_rank: o.RouterRank = None,
     tau_start: o.TauStart = None,
     tau_end: o.TauEnd = None,
+    sparsity_warmup: o.SparsityWarmup = None,
+    standin: o.Standin = None,
+    distill: o.Distill = None,
+    distill_temperature: o.DistillTemperature = None,
+    lora_joint: o.LoraJoint = None,
     steps: o.Steps = None,
     seq_len: o.SeqLen = None,
     batch_size: o.BatchSize = None,
@@ -51,11 +56,15 @@ def prune_cmd(
     out: o.OutOpt = None,
     resume: o.ResumeOpt = False,
     nproc: o.NprocOpt = 1,
+    threads: o.ThreadsOpt = None,
     json_out: o.JsonOpt = False,
 ):
     """Prune MODEL end to end: calibrate, train routers, export, evaluate dense vs pruned."""
+    from wide_cli.cli.threads import apply_threads
+
     flags = {k: v for k, v in locals().items() if k in o.FLAG_FIELDS}
     settings = o.resolve_settings(model, recipe, flags)
+    n_threads = apply_threads(threads)
     if nproc > 1:
         import os
         import sys
@@ -65,11 +74,11 @@ def prune_cmd(
         from wide_cli.train import distributed
 
         if "WORLD_SIZE" not in os.environ:
-            argv = distributed.without_option(sys.argv[1:], "--nproc")
-            raise typer.Exit(distributed.relaunch_with_torchrun(nproc, argv))
+            argv = distributed.without_option(distributed.without_option(sys.argv[1:], "--nproc"), "--threads")
+            raise typer.Exit(distributed.relaunch_with_torchrun(nproc, argv, threads=max(1, n_threads // nproc)))
 
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.pipeline.prune import prune
 
     quiet_libraries()

@@ -23,16 +23,20 @@ def recipes_cmd(
         for p in list_recipes():
             s = load_recipe(p)
             rows.append({"name": p.stem, "path": str(p), "model": s.model.name, "method": s.routing.method,
-                         "sparsity": s.routing.sparsity, "steps": s.train.steps,
+                         "sparsity": s.routing.sparsity, "cost_target": s.routing.cost_target,
+                         "target": (f"cost {s.routing.cost_target:g} {s.routing.cost_metric}"
+                                    if s.routing.cost_target is not None else f"sparsity {s.routing.sparsity:g}"),
+                         "steps": s.train.steps,
                          "tokens_per_step": s.train.tokens_per_step})
         if json_out:
             render.emit_json({"recipes": rows})
             return
         t = Table(title="shipped recipes")
-        for c in ("name", "model", "method", "sparsity", "steps", "tokens_per_step"):
+        cols = ("name", "model", "method", "target", "steps", "tokens_per_step")
+        for c in cols:
             t.add_column(c)
         for r in rows:
-            t.add_row(*(str(r[c]) for c in ("name", "model", "method", "sparsity", "steps", "tokens_per_step")))
+            t.add_row(*(str(r[c]) for c in cols))
         render.err.print(t)
         return
     s = load_recipe(name).to_dict()

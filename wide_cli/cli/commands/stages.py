@@ -54,16 +54,20 @@ def calibrate_cmd(
     dtype: o.Dtype = None,
     device: o.Device = None,
     resume: o.ResumeOpt = False,
+    threads: o.ThreadsOpt = None,
     json_out: o.JsonOpt = False,
 ):
     """Stage 1/4: tokenise + pack the data (cached) and collect per-group activation statistics."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.pipeline import stages
     from wide_cli.pipeline.rundir import RunDir, run_lock
 
+    from wide_cli.cli.threads import apply_threads
+
     flags = {k: v for k, v in locals().items() if k in o.FLAG_FIELDS}
     settings = stages.effective_settings(o.resolve_settings(model, recipe, flags))
+    apply_threads(threads)
     quiet_libraries()
     run = RunDir(run_dir)
     with run_lock(run):
@@ -89,6 +93,13 @@ def train_cmd(
     seed: o.Seed = None,
     tau_start: o.TauStart = None,
     tau_end: o.TauEnd = None,
+    cost_target: o.CostTarget = None,
+    cost_metric: o.CostMetric = None,
+    sparsity_warmup: o.SparsityWarmup = None,
+    standin: o.Standin = None,
+    distill: o.Distill = None,
+    distill_temperature: o.DistillTemperature = None,
+    lora_joint: o.LoraJoint = None,
     sparsity_weight: o.SparsityWeight = None,
     checkpoint_every: o.CheckpointEvery = None,
     grad_checkpointing: o.GradCheckpointing = None,
@@ -101,14 +112,14 @@ def train_cmd(
     lora_alpha: o.LoraAlpha = None,
     freeze_routers: o.FreezeRouters = None,
     resume: o.ResumeOpt = False,
+    threads: o.ThreadsOpt = None,
     json_out: o.JsonOpt = False,
 ):
     """Stage 2/4: train the routers (stage 1) or LoRA + routers (stage 2) on a calibrated run."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.errors import ConfigError
     from wide_cli.pipeline import stages
-    from wide_cli.pipeline.rundir import run_lock
 
     flags = {k: v for k, v in locals().items() if k in o.FLAG_FIELDS}
     if stage not in (1, 2):
@@ -117,13 +128,21 @@ def train_cmd(
         flags["lora"] = True
     run, settings = _settings_for_run(run_dir, recipe, flags)
     quiet_libraries()
-    with run_lock(run):
+    from wide_cli.cli.threads import apply_threads
+    from wide_cli.train import distributed
+
+    apply_threads(threads)
+    info = distributed.init(settings.model.device)  # under torchrun: every rank trains, rank 0 writes
+    with distributed.rank0_lock(run):
         if stage == 1:
-            res = stages.train(settings, run, resume=resume)
+            res = stages.train(settings, run, resume=resume, progress=info.is_main)
         else:
             from wide_cli.train.lora import train_stage2
 
-            res = train_stage2(settings, run, resume=resume)
+            res = train_stage2(settings, run, resume=resume, progress=info.is_main)
+        distributed.barrier()
+    if not info.is_main:  # rank 0 reports
+        return
     render.log(f"trained stage {stage}: {res.steps} steps, {res.tokens} tokens, {res.seconds:.1f} s")
     if json_out:
         render.emit_json({"run_dir": str(run.root), "stage": stage, **res.to_dict()})
@@ -140,11 +159,12 @@ def export_cmd(
     weights: Annotated[str, typer.Option(
         "--weights", help="fp32 (default) | int8: store int8 projections with their scales for the runtime "
         "(`wide generate` / `wide bench`; --format wide only).")] = "fp32",
+    threads: o.ThreadsOpt = None,
     json_out: o.JsonOpt = False,
 ):
     """Stage 3/4: write the deployable export (weights, routers, wide_config, model card, manifest)."""
     from wide_cli.cli import render
-    from wide_cli.cli.setup import quiet_libraries
+    from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.pipeline import stages
     from wide_cli.pipeline.rundir import run_lock
 
@@ -163,6 +183,9 @@ def export_cmd(
         raise ConfigError(f"--lora: {run.stage2} holds no trained adapter",
                           f"run `wide train --run-dir {run.root} --stage 2` first, or drop --lora")
     quiet_libraries()
+    from wide_cli.cli.threads import apply_threads
+
+    apply_threads(threads)
     dest = out or run.default_export
     with run_lock(run):
         res = stages.export(settings, run, dest, export_format=export_format, weight_format=weights)

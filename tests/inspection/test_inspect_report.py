@@ -11,9 +11,9 @@ import torch
 
 from wide_cli.errors import CheckpointError, ConfigError
 from wide_cli.export import export_model
-from wide_cli.inspect import inspect_export
-from wide_cli.inspect.render import SHADES, _shade, heatmap, render
-from wide_cli.inspect.report import PromptTrace, static_sparsity
+from wide_cli.inspection import inspect_export
+from wide_cli.inspection.render import SHADES, _shade, heatmap, render
+from wide_cli.inspection.report import PromptTrace, static_sparsity
 from wide_cli.models.tiny import char_tokenizer, tiny_model
 from wide_cli.routing import RoutingConfig, attach_routers, router_state_dict
 from wide_cli.routing.gumbel import argmax_execute

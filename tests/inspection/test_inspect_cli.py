@@ -41,7 +41,7 @@ def test_every_option_reaches_the_library(tmp_path, monkeypatch, export_dir):
         seen.update(path=path, **kw)
         raise SystemExit(0)
 
-    monkeypatch.setattr("wide_cli.inspect.inspect_export", fake)
+    monkeypatch.setattr("wide_cli.inspection.inspect_export", fake)
     txt = tmp_path / "t.txt"
     txt.write_text("hello world")
     args = ["inspect", str(export_dir), "--text", str(txt), "--prompt", "hi", "--layer", "1", "--plot",

@@ -74,6 +74,14 @@ def settings_of(wc: dict) -> dict:
         "created": wc.get("created"),
         "export id": wc.get("export_id"),
     }
+    sd = wc.get("static_depth")
+    if sd:  # a plain smaller model: no groups, routers or sparsity target
+        for k in ("attn group size", "ffn group size", "groups (attention/ffn)", "router rank", "sparsity target",
+                  "train steps"):
+            out.pop(k, None)
+        out["removed layers"] = f"{sd['removed']} ({len(sd['removed'])} of {sd['num_layers']})"
+        out["cost target / reached"] = f"{sd['cost_target']} / {sd['cost_fraction']:.3f} of dense {sd['cost_metric']}"
+        out["healing steps"] = ((wc.get("train") or {}).get("stage2") or {}).get("steps")
     st = wc.get("static")
     if st:
         out["kept query heads per layer"] = [len(h) for h in st["kept_heads"]]
@@ -293,7 +301,7 @@ def inspect_export(
     report = InspectReport(path, fmt, method, file_sizes(path), parameter_counts(path), settings_of(wc),
                            sparsity, source, prompt=trace, layer=layer)
     if plot is not None:
-        from wide_cli.inspect.plot import plot_sparsity
+        from wide_cli.inspection.plot import plot_sparsity
 
         if not sparsity or not sparsity.get("per_layer"):
             raise ConfigError("no per-layer sparsity to plot", "pass --text FILE to measure it")

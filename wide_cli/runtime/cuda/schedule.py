@@ -1,8 +1,9 @@
 """Mask reordering and tile schedules of the CuPy kernels, in pure PyTorch (DESIGN.md §3).
 
-These functions state, on any device, exactly what the CUDA kernels in ``wide_cli/kernels``
-do, so the schedule logic can be unit-tested on a CPU and the kernels' own reorder output
-checked against it on a GPU:
+These functions state, on any device, exactly what the CUDA kernels in ``kernels/``
+do: the executable specification of the kernels' schedules, kept beside the tile tables of
+``builds.py``. Nothing at run time calls them; the kernel tests do, so the schedule logic is
+unit-tested on a CPU and the kernels' own reorder output is checked against it on a GPU:
 
 - ``reorder_mask``: per group, a stable partition of the token indices (executing tokens first),
   with counts. Same result as ``ops.group_token_lists`` and the ``wide_reorder`` kernel, int32.

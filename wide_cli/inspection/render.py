@@ -6,7 +6,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from wide_cli.inspect.report import InspectReport, PromptTrace
+from wide_cli.inspection.report import InspectReport, PromptTrace
 
 SHADES = "·░▒▓█"  # none, 1/4, 1/2, 3/4, all of the layers ran the group
 STYLE = {"attention": "dark_orange", "ffn": "green3"}

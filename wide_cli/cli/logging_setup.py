@@ -1,4 +1,5 @@
-"""Process-wide CLI set-up: quiet third-party progress bars and logs (our own go to stderr)."""
+"""Process-wide logging set-up of the CLI: quiet third-party progress bars and logs (our own go to
+stderr)."""
 
 from __future__ import annotations
 
