@@ -10,8 +10,8 @@ from wide_cli.models.tiny import tiny_model
 from wide_cli.pipeline.settings import Stage2Config
 from wide_cli.routing import RoutingConfig, attach_routers
 from wide_cli.train.config import TrainConfig
-from wide_cli.train.lora import adapter_state_dict, load_adapter, merge_lora, wrap_lora
 from wide_cli.train.loop import train_stage
+from wide_cli.train.lora import adapter_state_dict, load_adapter, merge_lora, wrap_lora
 
 IDS = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(0))
 CFG = Stage2Config(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0)

@@ -230,8 +230,8 @@ def write_report(report: dict, out_dir: Path) -> list[Path]:
     Sets each pruned row's ``plot`` to its PNG file name (relative to ``out_dir``). Returns the
     written paths.
     """
-    from wide_cli.eval.plots import plot_layer_sparsity
     from wide_cli.atomic import atomic_write_bytes, atomic_write_json
+    from wide_cli.eval.plots import plot_layer_sparsity
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from wide_cli.errors import CheckpointError
 from wide_cli.atomic import atomic_write_json
+from wide_cli.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from wide_cli import __version__
-from wide_cli.errors import CheckpointError, ConfigError
 from wide_cli.atomic import atomic_directory, atomic_write_json
+from wide_cli.errors import CheckpointError
 from wide_cli.export.manifest import write_manifest
 from wide_cli.export.model_card import write_model_card
 from wide_cli.routing.model import router_state_dict

@@ -14,6 +14,27 @@ from wide_cli.errors import CheckpointError
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
+def safetensors_files(path) -> list[Path] | None:
+    """The weight files of directory ``path``: ``[model.safetensors]``, or the shards that
+    ``model.safetensors.index.json`` lists (sorted, possibly missing on disk); ``None`` when the
+    directory has neither file.
+
+    Raises:
+        ValueError: the index is not JSON or has no ``weight_map``.
+        OSError: the index cannot be read.
+    """
+    path = Path(path)
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if not index.is_file():
+        return None
+    try:
+        return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    except KeyError as e:
+        raise ValueError(f"no {e} key") from None
+
+
 def weight_shapes(path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """Shapes of the tensors in ``model.safetensors`` (or the shards its index lists) of
     directory ``path``, from the file headers only.
@@ -24,16 +45,11 @@ def weight_shapes(path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """
     from safetensors import safe_open
 
-    path = Path(path)
-    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
-    if single.is_file():
-        files = [single]
-    elif index.is_file():
-        try:
-            files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-        except (OSError, ValueError, KeyError):
-            return {}, {}
-    else:
+    try:
+        files = safetensors_files(path)
+    except (OSError, ValueError):
+        return {}, {}
+    if files is None:
         return {}, {}
     shapes, where = {}, {}
     for f in files:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import contextlib
 
 from wide_cli.pipeline import stages
 from wide_cli.pipeline.rundir import RunDir, run_lock

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import tomllib
 
 from wide_cli.errors import ConfigError
 from wide_cli.routing.config import RoutingConfig
@@ -127,7 +128,7 @@ class Settings:
         d["stage2"]["target_modules"] = list(self.stage2.target_modules)
         return d
 
-    def replace(self, section: str, **changes) -> "Settings":
+    def replace(self, section: str, **changes) -> Settings:
         return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **changes)})
 
 

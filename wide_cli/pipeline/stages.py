@@ -10,7 +10,6 @@ evaluate  -> <run>/eval/         report.json (dense vs pruned perplexity, measur
 from __future__ import annotations
 
 import json
-
 import logging
 import math
 import warnings
@@ -19,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from wide_cli.errors import CheckpointError, ConfigError
 from wide_cli.atomic import atomic_write_json
+from wide_cli.errors import CheckpointError, ConfigError
 from wide_cli.pipeline.rundir import RunDir, model_identity, record_run
 from wide_cli.pipeline.settings import Settings
 
@@ -255,9 +254,8 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
 
     Returns the TrainResult (``steps=0`` when nothing trains).
     """
-    from wide_cli.train.loop import TrainResult, train_stage
-
     from wide_cli.train.distributed import dist_info
+    from wide_cli.train.loop import TrainResult, train_stage
 
     loaded = loaded or load_backbone(settings)
     if dist_info().is_main:
@@ -427,9 +425,7 @@ def routed_model_from_run(settings: Settings, run: RunDir, *, loaded=None):
     stats = _load_stats(run) if settings.routing.method == "static-width" else None
     attach(settings, model, stats=stats)
     if (settings.stage2.enabled or settings.stage2.joint) and (run.stage2 / "adapter.safetensors").is_file():
-        from wide_cli.train.lora import apply_stage2
-
-        from wide_cli.train.lora import stage1_routers_sha256
+        from wide_cli.train.lora import apply_stage2, stage1_routers_sha256
 
         try:
             trained_on = json.loads((run.stage2 / "result.json").read_text())["identity"].get("stage1_routers_sha256")

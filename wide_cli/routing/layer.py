@@ -9,7 +9,7 @@ adds stay dense. Submodules are called through their attributes, so PEFT-wrapped
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

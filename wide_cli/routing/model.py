@@ -35,7 +35,6 @@ def _capture_valid(state: RoutingState):
             state.valid = None
         else:
             state.valid = am[:, -T:].bool()
-        return None
 
     return hook
 

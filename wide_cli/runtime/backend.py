@@ -566,21 +566,15 @@ def read_safetensors(path) -> dict[str, torch.Tensor]:
     Raises:
         CheckpointError: no weights file, an unreadable file, a shard named in the index missing.
     """
-    import json
-    from pathlib import Path
-
     from safetensors.torch import load_file
 
-    path = Path(path)
-    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
-    if single.is_file():
-        files = [single]
-    elif index.is_file():
-        try:
-            files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-        except (ValueError, KeyError) as e:
-            raise _ckpt_error(f"{index} is corrupt ({e})") from None
-    else:
+    from wide_cli.models.consistency import safetensors_files
+
+    try:
+        files = safetensors_files(path)
+    except ValueError as e:
+        raise _ckpt_error(f"{path}/model.safetensors.index.json is corrupt ({e})") from None
+    if files is None:
         raise _ckpt_error(f"{path} has no model.safetensors (or index)", "is this a wide export directory?")
     out = {}
     for f in files:

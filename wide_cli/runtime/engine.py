@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from wide_cli.errors import ConfigError
 from wide_cli.runtime.backend import (
     Backend,
     Counter,
@@ -32,7 +33,6 @@ from wide_cli.runtime.backend import (
     weights_from_tensors,
 )
 from wide_cli.runtime.kv_cache import KVCache
-from wide_cli.errors import ConfigError
 from wide_cli.runtime.sampling import Sampler, SamplingConfig, TextTracker
 
 MODULES = ("attention", "ffn")

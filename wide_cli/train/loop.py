@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from wide_cli.errors import CheckpointError, TrainingDivergedError
 from wide_cli.atomic import atomic_directory, atomic_write_json
+from wide_cli.errors import CheckpointError, TrainingDivergedError
 from wide_cli.routing.gumbel import sparsity_loss, temperature_at
 from wide_cli.train.config import TrainConfig
 from wide_cli.train.data_order import batch_indices

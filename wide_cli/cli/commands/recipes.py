@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 
 def recipes_cmd(
-    name: Annotated[Optional[str], typer.Argument(help="Recipe to show (name or path).")] = None,
+    name: Annotated[str | None, typer.Argument(help="Recipe to show (name or path).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
 ):
     """List the shipped recipes, or show one with every resolved value."""

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -60,10 +60,9 @@ def calibrate_cmd(
     """Stage 1/4: tokenise + pack the data (cached) and collect per-group activation statistics."""
     from wide_cli.cli import render
     from wide_cli.cli.logging_setup import quiet_libraries
+    from wide_cli.cli.threads import apply_threads
     from wide_cli.pipeline import stages
     from wide_cli.pipeline.rundir import RunDir, run_lock
-
-    from wide_cli.cli.threads import apply_threads
 
     flags = {k: v for k, v in locals().items() if k in o.FLAG_FIELDS}
     settings = stages.effective_settings(o.resolve_settings(model, recipe, flags))
@@ -165,11 +164,10 @@ def export_cmd(
     """Stage 3/4: write the deployable export (weights, routers, wide_config, model card, manifest)."""
     from wide_cli.cli import render
     from wide_cli.cli.logging_setup import quiet_libraries
-    from wide_cli.pipeline import stages
-    from wide_cli.pipeline.rundir import run_lock
-
     from wide_cli.errors import ConfigError
     from wide_cli.export.writer import EXPORT_FORMATS
+    from wide_cli.pipeline import stages
+    from wide_cli.pipeline.rundir import run_lock
 
     if export_format not in EXPORT_FORMATS:
         raise ConfigError(f"--format {export_format!r} unknown", f"choose one of {', '.join(EXPORT_FORMATS)}")
