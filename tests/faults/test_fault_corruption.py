@@ -6,13 +6,12 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 
+from tests._exports import routed_tiny_llama
 from wide_cli.errors import CheckpointError
 from wide_cli.export import export_model, load_pruned
 from wide_cli.export.hf_format import load_hf_export
-from wide_cli.models.tiny import char_tokenizer, tiny_model
-from wide_cli.routing import RoutingConfig, attach_routers
+from wide_cli.models.tiny import char_tokenizer
 
 LOADERS = {"wide": load_pruned, "hf": load_hf_export}
 
@@ -23,13 +22,7 @@ def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults-exports")
     out = {}
     for name, fmt in (("wide", "wide"), ("hf", "hf"), ("other", "wide")):
-        model = tiny_model("llama", seed=1 if name == "other" else 0)
-        cfg = RoutingConfig(attn_group_size=2, ffn_group_size=32)
-        attach_routers(model, cfg)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if ".router_" in n and n.endswith("bias"):
-                    p.normal_(0, 1.0)
+        model, cfg = routed_tiny_llama(seed=1 if name == "other" else 0)
         out[name] = export_model(model, char_tokenizer(), root / f"c_{name}",
                                  wide_config={"method": cfg.method, "routing": cfg.to_dict()},
                                  export_format=fmt).path

@@ -7,25 +7,18 @@ import inspect
 import json
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
+from tests._exports import routed_tiny_llama
 from wide_cli.cli.app import app, main
 from wide_cli.cli.commands.inspect import inspect_cmd
 from wide_cli.export import export_model
-from wide_cli.models.tiny import char_tokenizer, tiny_model
-from wide_cli.routing import RoutingConfig, attach_routers
+from wide_cli.models.tiny import char_tokenizer
 
 
 @pytest.fixture(scope="module")
 def export_dir(tmp_path_factory):
-    model = tiny_model("llama")
-    cfg = RoutingConfig(attn_group_size=2, ffn_group_size=32)
-    attach_routers(model, cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".router_" in n and n.endswith("bias"):
-                p.normal_(0, 1.0)
+    model, cfg = routed_tiny_llama()
     wc = {"method": "wide", "routing": cfg.to_dict(),
           "layout": {"attn_group_size": 2, "ffn_group_size": 32, "attn_groups": 2, "ffn_groups": 4, "kv_aligned": True},
           "measured_sparsity": {"attention": 0.5, "ffn": 0.25, "total": 0.375,

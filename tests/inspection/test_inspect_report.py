@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from tests._exports import routed_tiny_llama
 from wide_cli.errors import CheckpointError, ConfigError
 from wide_cli.export import export_model
 from wide_cli.inspection import inspect_export
@@ -34,13 +35,7 @@ def _wide_config(cfg, model):
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("inspect")
-    model = tiny_model("llama")
-    cfg = RoutingConfig(attn_group_size=2, ffn_group_size=32)
-    attach_routers(model, cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".router_" in n and n.endswith("bias"):
-                p.normal_(0, 1.0)
+    model, cfg = routed_tiny_llama()
     out = {"model": model}
     for fmt in ("wide", "hf"):
         out[fmt] = export_model(model, char_tokenizer(), root / f"i_{fmt}", wide_config=_wide_config(cfg, model),
