@@ -131,7 +131,7 @@ SAMPLE = {
     "eval_seq_len": 48, "eval_max_tokens": 4096, "eval_batch_size": 2, "lora": True, "lora_steps": 11,
     "lora_lr": 1e-4, "lora_rank": 8, "lora_alpha": 16.0, "freeze_routers": True,
     "cost_target": 0.7, "cost_metric": "decode_bytes", "sparsity_warmup": 0.2, "standin": "trained",
-    "distill": 0.5, "distill_temperature": 2.0, "lora_joint": True,
+    "distill": 0.5, "distill_temperature": 2.0, "lora_joint": True, "drop_layers": 3,
 }
 
 

@@ -94,3 +94,14 @@ def test_compare_errors_are_one_line(argv, message, capsys):
     code = main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("error: ") and message in err[-1], err
+
+
+def test_a_hybrid_export_is_its_own_method_on_the_plane():
+    rep = _eval_report()
+    rep["rows"].append({**rep["rows"][2], "name": "h", "routing": {"cost_target": 0.69, "cost_metric": "flops",
+                                                                    "drop_layers": 8}})
+    rows = cmp.compare_rows(rep, {})
+    h = rows[-1]
+    assert h["method"] == "wide+depth" and h["drop_layers"] == 8 and h["cost_target"] == 0.69
+    assert rows[2]["method"] == "wide" and rows[2]["drop_layers"] == 0
+    assert h["label"] == "wide+depth cost 0.69"

@@ -43,6 +43,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "cost_metric": ("routing", "cost_metric"),
     "sparsity_warmup": ("routing", "sparsity_warmup"),
     "standin": ("routing", "standin"),
+    "drop_layers": ("routing", "drop_layers"),
     "distill": ("train", "distill"),
     "distill_temperature": ("train", "distill_temperature"),
     "lora_joint": ("stage2", "joint"),
@@ -82,6 +83,7 @@ CostMetric = Annotated[str | None, typer.Option("--cost-metric", help="What --co
 Sparsity = Annotated[float | None, typer.Option("--sparsity", help="Target fraction of skipped (token, group) decisions, unweighted (the paper's), in [0, 1).")]
 SparsityWarmup = Annotated[float | None, typer.Option("--sparsity-warmup", help="Fraction of steps over which the sparsity/cost target ramps up from 0 (default 0).")]
 Standin = Annotated[str | None, typer.Option("--standin", help="What a skipped group adds: none | mean (calibration-mean output) | trained.")]
+DropLayers = Annotated[int | None, typer.Option("--drop-layers", help="Hybrid depth + width (wide, dynamic-depth): first remove this many least influential decoder layers (Block Influence), then route width in the rest; --cost-target still counts the whole model (default 0).")]
 Distill = Annotated[float | None, typer.Option("--distill", help="Weight of KL distillation to the dense model in [0, 1] (0 = LM loss only).")]
 DistillTemperature = Annotated[float | None, typer.Option("--distill-temperature", help="Softmax temperature of the distillation (default 1).")]
 LoraJoint = Annotated[bool | None, typer.Option("--lora-joint/--no-lora-joint", help="Train LoRA with the routers from the first step (no separate stage 2).")]

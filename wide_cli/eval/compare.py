@@ -15,7 +15,9 @@ report.json (``schema`` ``wide.compare.report``, version 1)::
     {"schema", "schema_version", "created", "wide_version",
      "settings": {quality: {...evaluate_targets settings...}, speed: SpeedConfig dict},
      "environment": {torch, threads, dtype, backend, machine, cpu_count},
-     "rows": [{"name", "label", "method", "cost_target", "cost_metric", "sparsity_target", "lora",
+     "rows": [{"name", "label", "method" (``wide+depth`` for a hybrid export: ``drop_layers`` layers
+               removed, width routed in the rest), "cost_target", "cost_metric", "sparsity_target",
+               "drop_layers", "lora",
                "wikitext_ppl", "task_avg" (fraction, null without every zero-shot task),
                "tasks": {task: fraction}, "flops" (fraction of dense per-token FLOPs),
                "sparsity" (measured total, null for unrouted models),
@@ -133,6 +135,8 @@ def compare_rows(eval_report: dict, speed: dict[str, dict]) -> list[dict]:
     for r in eval_report["rows"]:
         wcfg_routing = r.get("routing") or {}
         method = r.get("method") or "dense"
+        if wcfg_routing.get("drop_layers"):  # hybrid: layers removed, width routed in the rest
+            method = f"{method}+depth"
         s = speed.get(r["name"], {})
         cost_target = cost_metric = None
         if method == "static-depth":
@@ -146,6 +150,7 @@ def compare_rows(eval_report: dict, speed: dict[str, dict]) -> list[dict]:
             "cost_target": 1.0 if r["kind"] == "dense" and method == "dense" else cost_target,
             "cost_metric": cost_metric,
             "sparsity_target": None if method in ("dense", "static-depth") else wcfg_routing.get("sparsity"),
+            "drop_layers": int(wcfg_routing.get("drop_layers") or 0),
             "lora": bool(r.get("lora")),
             "wikitext_ppl": (r.get("summary") or {}).get("wikitext_ppl"),
             "task_avg": r.get("average"),

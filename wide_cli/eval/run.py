@@ -236,6 +236,10 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
         from wide_cli.pipeline.static_depth import export_cost
 
         flops, bound = export_cost(wcfg, shape, seq_len=seq_len)
+    elif wcfg.get("dropped_layers"):  # hybrid: routed layers of a layer-pruned source, against the source
+        from wide_cli.pipeline.static_depth import hybrid_export_cost
+
+        flops, bound = hybrid_export_cost(wcfg, shape, sparsity, seq_len=seq_len, routers=router)
     return {
         "name": target.name,
         "kind": target.kind,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +85,9 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
                 + (f" ({info.world} processes)" if info.enabled else ""))
         tr = stages.train(settings, run, resume=resume, loaded=loaded, progress=progress)
         train_info = tr.to_dict()
+        if settings.routing.drop_layers and info.is_main:
+            sel = stages.apply_drop_layers(settings, run, loaded)
+            train_info["dropped_layers"] = {k: sel[k] for k in ("removed", "num_layers", "cost_fraction", "cost_metric")}
         if settings.routing.method == "static-depth" and info.is_main:
             from wide_cli.pipeline.static_depth import read_selection
 
@@ -106,6 +110,7 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
         log("[4/4] evaluate: dense vs pruned perplexity")
         report = stages.evaluate(settings, run, out)
     sp = report.get("sparsity") or {}
+    # the routed model's shape (a hybrid run's has fewer layers than its source)
     cost = measured_cost(settings, loaded.model.config, sp, report.get("seq_len") or settings.train.seq_len)
     if cost.get("error") is not None:
         log(f"      cost on the eval tokens: {cost[cost['metric']]:.3f} of dense {cost['metric']} "
@@ -132,7 +137,10 @@ def measured_cost(settings: Settings, config, sparsity: dict, seq_len: int) -> d
     from wide_cli.models.arch import model_shape
 
     shape = model_shape(config)
-    out = {m: cost_model(shape, metric=m, seq_len=seq_len).relative(sparsity) for m in ("flops", "decode_bytes")}
+    rc = settings.routing
+    # a hybrid's routed layers are a fraction of its source: scale to the whole source model
+    out = {m: cost_model(shape, metric=m, seq_len=seq_len).relative(sparsity)
+           * dataclasses.replace(rc, cost_metric=m).depth_fraction(shape, seq_len) for m in ("flops", "decode_bytes")}
     target = settings.routing.cost_target
     out.update(target=target, metric=settings.routing.cost_metric if target is not None else None,
                error=None if target is None else out[settings.routing.cost_metric] - target)

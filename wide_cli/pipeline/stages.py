@@ -103,6 +103,38 @@ def _packed(settings: Settings, tokenizer, run: RunDir):
     )
 
 
+def apply_drop_layers(settings: Settings, run: RunDir, loaded, *, packed=None) -> dict | None:
+    """Hybrid depth + width (``routing.drop_layers``): remove the run's least influential layers
+    from ``loaded.model`` in place, once (later calls see them gone). The selection is made by
+    Block Influence on the training data the first time and kept in
+    ``<run>/calibration/drop_layers.json``, so every stage removes the same layers.
+
+    Returns the selection (``static_depth.hybrid_selection``), or None without ``drop_layers``.
+    """
+    from wide_cli.pipeline import static_depth
+
+    n = settings.routing.drop_layers
+    if not n:
+        return None
+    path = run.calibration / static_depth.DROP_FILE
+    previous = json.loads(path.read_text()) if path.is_file() else None
+    if previous is not None and len(previous["removed"]) == n and previous["cost_metric"] == settings.routing.cost_metric:
+        sel = previous
+    else:
+        if static_depth.is_layer_pruned(loaded.model):
+            raise CheckpointError(f"{path} does not match drop-layers {n}",
+                                  f"re-run `wide calibrate --run-dir {run.root}`")
+        packed = packed or _packed(settings, loaded.tokenizer, run)
+        sel = static_depth.hybrid_selection(settings, loaded.model, packed.train, previous=previous)
+        run.calibration.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, sel)
+    if not static_depth.is_layer_pruned(loaded.model):
+        static_depth.drop_for_hybrid(loaded.model, sel["removed"])
+        log.info("drop-layers %d: removed layers %s by Block Influence (%.3f of dense %s before routing)",
+                 n, sel["removed"], sel["cost_fraction"], sel["cost_metric"])
+    return sel
+
+
 # ----------------------------------------------------------------------------- calibrate
 @dataclass
 class CalibrationResult:
@@ -131,6 +163,8 @@ def calibrate(settings: Settings, run: RunDir, *, resume: bool = False, loaded=N
     loaded = loaded or load_backbone(settings)
     record_run(run, settings.to_dict(), model_identity(loaded), resume=resume)
     packed = _packed(settings, loaded.tokenizer, run)
+    # hybrid: statistics (router init, stand-ins) of the layers that stay, in the pruned model
+    apply_drop_layers(settings, run, loaded, packed=packed)
     stats_path = run.calibration / STATS_FILE
     # static-depth ranks whole layers by Block Influence in its train stage: no group statistics
     needs_stats = settings.routing.method != "static-depth"
@@ -206,7 +240,7 @@ def init_routers_from_statistics(model, stats, *, strength: float = 1.0) -> None
             z = (imp - imp.mean(1, keepdim=True)) / imp.std(1, keepdim=True).nan_to_num(1.0).clamp_min(1e-6)
         t = state.cfg.target_for(module)
         if state.cfg.cost_target is not None:  # the uniform skip rate that meets the cost target
-            t = (1.0 - state.cfg.cost_target) / (1.0 - state.cfg.cost_model(state.shape).floor_fraction)
+            t = (1.0 - state.cfg.routed_cost_target(state.shape)) / (1.0 - state.cfg.cost_model(state.shape).floor_fraction)
         t = min(max(t, 1e-3), 1 - 1e-3)
         offset = math.log((1 - t) / t)
         for i, layer in enumerate(decoder_layers(model)):
@@ -264,6 +298,7 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
         from wide_cli.pipeline import static_depth
 
         return static_depth.train(settings, run, loaded=loaded, resume=resume, progress=progress)
+    apply_drop_layers(settings, run, loaded)
     model = loaded.model
     rcfg = settings.routing
     need_stats = (rcfg.method == "static-width" or settings.run.router_init == "calibration"
@@ -310,7 +345,8 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
         if rcfg.cost_target is not None:
             res.final["skip_offset"] = calibrate_skip_offset(
                 train_model, packed.train[-8:], rcfg.cost_model(model.wide_routing.shape, settings.train.seq_len),
-                1.0 - rcfg.cost_target, batch_size=settings.eval.batch_size)
+                1.0 - rcfg.routed_cost_target(model.wide_routing.shape, settings.train.seq_len),
+                batch_size=settings.eval.batch_size)
     save_routers(model, run)
     if joint:
         from wide_cli.train.lora import save_joint_stage2
@@ -421,6 +457,7 @@ def routed_model_from_run(settings: Settings, run: RunDir, *, loaded=None):
     from wide_cli.routing.model import load_router_state_dict
 
     loaded = loaded or load_backbone(settings)
+    apply_drop_layers(settings, run, loaded)
     model = loaded.model
     stats = _load_stats(run) if settings.routing.method == "static-width" else None
     attach(settings, model, stats=stats)
@@ -514,6 +551,8 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
             "kv_aligned": layout.kv_aligned,
         },
         "measured_sparsity": {**measured, "data": "held-out split of " + shareable(settings.data.train)},
+        # hybrid: the source model's layers this export no longer has (its config.json has the rest)
+        "dropped_layers": _dropped_layers(settings, run),
         "source_model": {**loaded.provenance, "spec": shareable(loaded.source), "resolved": loaded.resolved,
                          "revision": loaded.revision},
         "lora": (
@@ -538,6 +577,14 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
             "free disk space or choose another --out, then re-run `wide export`; any previous export there is "
             "untouched",
         ) from e
+
+
+def _dropped_layers(settings: Settings, run: RunDir) -> dict | None:
+    if not settings.routing.drop_layers:
+        return None
+    from wide_cli.pipeline.static_depth import DROP_FILE
+
+    return json.loads((run.calibration / DROP_FILE).read_text())
 
 
 def shareable(value: str | None) -> str | None:

@@ -356,3 +356,133 @@ def export(settings, run, out: Path, *, loaded, export_format: str = "wide"):
         "metrics": {},
     }
     return export_model(model, loaded.tokenizer, Path(out), wide_config=wide_config)
+
+
+# ----------------------------------------------------------------------------- hybrid: depth + width
+#: ``<run>/calibration/drop_layers.json``: the layers a hybrid run (``RoutingConfig.drop_layers``)
+#: removes before routing width in the rest, with the Block Influence they were chosen by.
+DROP_FILE = "drop_layers.json"
+
+
+def least_influential(influence, n: int) -> list[int]:
+    """The ``n`` layers of lowest Block Influence (ties: the later layer first), sorted."""
+    order = sorted(range(len(influence)), key=lambda i: (float(influence[i]), -i))
+    return sorted(order[:n])
+
+
+def hybrid_selection(settings, model, packed_train: torch.Tensor, *, previous: dict | None = None,
+                     calibration_sequences: int = 64) -> dict:
+    """The ``settings.routing.drop_layers`` least influential layers of the dense ``model``, by
+    Block Influence on up to ``calibration_sequences`` training sequences (reused from
+    ``previous``, an earlier selection of the same run, when it has them).
+
+    Returns:
+        ``{removed, kept, influence, num_layers, calibration_tokens, cost_fraction, cost_metric}``;
+        ``cost_fraction`` is the layer-pruned model's dense cost over the source's.
+    """
+    from wide_cli.models.arch import model_shape
+    from wide_cli.routing.config import kept_shape
+
+    shape = model_shape(model.config)
+    n = int(settings.routing.drop_layers)
+    if previous and previous.get("num_layers") == shape.num_layers and previous.get("influence"):
+        bi, tokens = previous["influence"], previous["calibration_tokens"]
+    else:
+        seqs = packed_train[:calibration_sequences]
+        bi = [round(float(v), 6) for v in block_influence(model, seqs, batch_size=settings.train.batch_size)]
+        tokens = int(seqs.numel())
+    removed = least_influential(bi, n)
+    return {
+        "removed": removed,
+        "kept": [i for i in range(shape.num_layers) if i not in removed],
+        "influence": bi,
+        "num_layers": shape.num_layers,
+        "calibration_tokens": tokens,
+        "cost_metric": settings.routing.cost_metric,
+        "cost_fraction": settings.routing.depth_fraction(kept_shape(shape, n), settings.train.seq_len),
+    }
+
+
+def drop_for_hybrid(model, removed: list[int]):
+    """Remove ``removed`` layers from ``model`` in place (``remove_layers``) and keep the full
+    layer list aside (not registered: it is neither trained nor saved) so that ``source_depth``
+    can run the source model as the distillation teacher. Returns the model."""
+    from wide_cli.routing.model import decoder_layers
+
+    full = list(decoder_layers(model))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = base.config
+    saved = {"num_hidden_layers": cfg.num_hidden_layers, "layer_types": getattr(cfg, "layer_types", None)}
+    remove_layers(model, removed)
+    base.__dict__["wide_source_layers"] = (full, saved)
+    return model
+
+
+def is_layer_pruned(model) -> bool:
+    """True when ``drop_for_hybrid`` already removed layers from ``model``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "wide_source_layers" in base.__dict__
+
+
+class source_depth:
+    """Context manager: run a model that ``drop_for_hybrid`` pruned with all its source layers
+    (for the dense teacher of distillation); a no-op on any other model. The removed layers are
+    cast to the dtype of the kept ones (training casts the frozen backbone to bf16) and, since
+    ``use_cache`` is off in training, their stale ``layer_idx`` does not matter."""
+
+    def __init__(self, model):
+        base = model
+        while hasattr(base, "module") and not hasattr(base, "config"):  # DDP
+            base = base.module
+        self.base = base.get_base_model() if hasattr(base, "get_base_model") else base
+        self.source = self.base.__dict__.get("wide_source_layers")
+
+    def __enter__(self):
+        if self.source is None:
+            return self
+        full, saved = self.source
+        inner = self.base.model
+        self.kept = inner.layers
+        ref = next(self.kept.parameters())
+        for layer in full:
+            p = next(layer.parameters())
+            if p.dtype != ref.dtype or p.device != ref.device:
+                layer.to(device=ref.device, dtype=ref.dtype)
+        cfg = self.base.config
+        self.restore = {"num_hidden_layers": cfg.num_hidden_layers, "layer_types": getattr(cfg, "layer_types", None)}
+        inner.layers = torch.nn.ModuleList(full)
+        cfg.num_hidden_layers = saved["num_hidden_layers"]
+        if saved["layer_types"] is not None:
+            cfg.layer_types = saved["layer_types"]
+        return self
+
+    def __exit__(self, *exc):
+        if self.source is None:
+            return False
+        self.base.model.layers = self.kept
+        cfg = self.base.config
+        cfg.num_hidden_layers = self.restore["num_hidden_layers"]
+        if self.restore["layer_types"] is not None:
+            cfg.layer_types = self.restore["layer_types"]
+        return False
+
+
+def hybrid_export_cost(wide_config: dict, shape, sparsity, *, seq_len: int, routers: dict | None = None):
+    """Cost of a hybrid export (``wide_config["dropped_layers"]``) against its source model:
+    the routed cost of the kept layers at ``sparsity`` over the source's dense cost.
+
+    Returns:
+        ``(flops, decode_bound)`` like ``export_cost``.
+    """
+    from wide_cli.cost import cost_model, flops_report
+    from wide_cli.routing.config import kept_shape
+
+    sel = wide_config["dropped_layers"]
+    source = kept_shape(shape, shape.num_layers - int(sel["num_layers"]))
+    kept = flops_report(shape, sparsity, seq_len=seq_len, **(routers or {}))
+    full = cost_model(source, metric="flops", seq_len=seq_len).dense_total
+    flops = {**kept, "relative": kept["routed_flops_per_token"] / full, "dense_flops_per_token": full}
+    b_kept = cost_model(shape, metric="decode_bytes")
+    b_full = cost_model(source, metric="decode_bytes").dense_total
+    routed_bytes = b_kept.dense_total * (1.0 - b_kept.skip_from_summary(sparsity))
+    return flops, b_full / routed_bytes

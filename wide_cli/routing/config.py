@@ -48,6 +48,11 @@ class RoutingConfig:
             calibration-mean output, a bias vector per group; FLAP / Informed Routing), or
             ``trained`` (that vector, trained with the routers).
             For static-depth, the cost layer removal reaches (None = 0.75).
+        drop_layers: hybrid depth + width (``wide`` / ``dynamic-depth`` only): first remove this
+            many whole decoder layers, the least influential by Block Influence (ShortGPT, as
+            ``static-depth`` ranks them), then route width in the layers that remain. 0 = none.
+            ``cost_target`` still counts the whole source model: the routers make up what the
+            removed layers do not save (``routed_cost_target``).
     """
 
     method: str = "wide"
@@ -66,6 +71,7 @@ class RoutingConfig:
     cost_metric: str = "flops"
     sparsity_warmup: float = 0.0
     standin: str = "none"
+    drop_layers: int = 0
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -99,6 +105,12 @@ class RoutingConfig:
                               "a fraction of the training steps, e.g. 0.2")
         if self.standin not in STANDINS:
             raise ConfigError(f"unknown standin {self.standin!r}", f"choose one of {', '.join(STANDINS)}")
+        if int(self.drop_layers) < 0:
+            raise ConfigError(f"drop-layers {self.drop_layers} must be >= 0", "the number of decoder layers to remove")
+        if self.drop_layers and self.method not in ("wide", "dynamic-depth"):
+            raise ConfigError(f"drop-layers {self.drop_layers} applies to --method wide or dynamic-depth, "
+                              f"not {self.method}",
+                              "use --method static-depth --cost-target C to only remove layers, or --method wide")
         if not (self.route_attention or self.route_ffn) and self.method != "dense":
             raise ConfigError("at least one of attention / ffn must be routed")
 
@@ -117,13 +129,51 @@ class RoutingConfig:
 
     def check_reachable(self, shape: ModelShape, seq_len: int | None = None) -> None:
         """Raise ConfigError (naming the value and the reachable range) when ``cost_target`` is
-        below the dense floor (K/V projections, norms, embeddings, lm_head) of ``shape``."""
+        below the dense floor (K/V projections, norms, embeddings, lm_head) of ``shape`` (the
+        source model, before ``drop_layers`` are removed), or when ``drop_layers`` leaves no layer
+        or already costs less than ``cost_target``."""
+        if self.drop_layers:
+            if self.drop_layers >= shape.num_layers:
+                raise ConfigError(f"drop-layers {self.drop_layers} would remove every layer of a "
+                                  f"{shape.num_layers}-layer model", f"choose 0 to {shape.num_layers - 1}")
+            kept = kept_shape(shape, self.drop_layers)
+            depth = self.depth_fraction(kept, seq_len)
+            if self.cost_target is None:
+                return
+            lo = depth * self.cost_model(kept, seq_len).floor_fraction
+            if not lo < float(self.cost_target) < depth:
+                raise ConfigError(
+                    f"cost-target {self.cost_target} ({self.cost_metric}) is not reachable with drop-layers "
+                    f"{self.drop_layers}: removing {self.drop_layers} of {shape.num_layers} layers costs {depth:.3f} "
+                    f"of dense, and routing the rest reaches ({lo:.3f}, {depth:.3f})",
+                    "choose a cost-target inside that range, or fewer --drop-layers for a higher one")
+            return
         if self.cost_target is None or self.method in ("dense", "static-width"):
             return
         try:
             self.cost_model(shape, seq_len).check_cost_target(float(self.cost_target), what="cost-target")
         except ValueError as e:
             raise ConfigError(str(e), "choose a cost-target inside that range") from None
+
+    def depth_fraction(self, shape: ModelShape, seq_len: int | None = None) -> float:
+        """Cost of the layer-pruned model ``shape`` (``drop_layers`` already removed) as a fraction
+        of its source model's dense cost (``shape`` with ``drop_layers`` more layers), in
+        ``cost_metric``; 1.0 without ``drop_layers``."""
+        if not self.drop_layers:
+            return 1.0
+        from wide_cli.cost import cost_model
+
+        kept = cost_model(shape, metric=self.cost_metric, seq_len=seq_len).dense_total
+        full = cost_model(kept_shape(shape, -self.drop_layers), metric=self.cost_metric, seq_len=seq_len).dense_total
+        return kept / full
+
+    def routed_cost_target(self, shape: ModelShape, seq_len: int | None = None) -> float | None:
+        """``cost_target`` as a fraction of the routed model's own dense cost: ``shape`` is the
+        model the routers sit in (``drop_layers`` already removed), so the whole-model target
+        ``c`` becomes ``c / depth_fraction``. None without a cost target."""
+        if self.cost_target is None:
+            return None
+        return float(self.cost_target) / self.depth_fraction(shape, seq_len)
 
     def target_for(self, module: str) -> float:
         """Sparsity target of ``module`` ('attention' or 'ffn')."""
@@ -133,6 +183,13 @@ class RoutingConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def kept_shape(shape: ModelShape, drop_layers: int) -> ModelShape:
+    """``shape`` with ``drop_layers`` fewer decoder layers (negative: more)."""
+    from dataclasses import replace
+
+    return replace(shape, num_layers=shape.num_layers - int(drop_layers))
 
 
 @dataclass(frozen=True)

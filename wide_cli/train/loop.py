@@ -221,6 +221,8 @@ def train_stage(
     check_plan(plan, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
     optimizer = torch.optim.AdamW(param_groups or params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     cost = rcfg.cost_model(state.shape, cfg.seq_len) if rcfg.cost_target is not None and modules else None
+    # the target as a fraction of this (possibly layer-pruned, RoutingConfig.drop_layers) model's cost
+    routed_target = rcfg.routed_cost_target(state.shape, cfg.seq_len) if cost is not None else None
     warm_steps = int(round(rcfg.sparsity_warmup * cfg.steps))
     scheduler = _lr_scheduler(optimizer, cfg)
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 17)  # same on every rank
@@ -291,7 +293,7 @@ def train_stage(
                     s_hat = state.measured_s_hat()
                     if cost is not None and state.records:
                         s_w = cost.weighted_skip({(i, m): f for i, m, f in state.records})
-                        sp = (ramp * (1.0 - rcfg.cost_target) - s_w).abs()
+                        sp = (ramp * (1.0 - routed_target) - s_w).abs()
                         sums["cost"] += (1.0 - s_w.item()) / cfg.grad_accum
                     elif s_hat:
                         sp = sparsity_loss(s_hat, {m: t * ramp for m, t in targets.items()}, rcfg.per_module_targets)
@@ -392,15 +394,18 @@ def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature:
 @torch.no_grad()
 def _teacher_logits(model, fwd, ids: torch.Tensor) -> torch.Tensor:
     """Logits of the dense teacher: the same frozen backbone with routing off and LoRA adapters
-    disabled (no second copy of the weights). Leaves the routing mode as it found it."""
+    disabled (no second copy of the weights); a hybrid model (``RoutingConfig.drop_layers``) runs
+    with its removed layers back, i.e. the source model. Leaves the routing mode as it found it."""
     import contextlib
+
+    from wide_cli.pipeline.static_depth import source_depth
 
     state = model.wide_routing
     mode = state.mode
     ctx = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
     state.set_mode("dense")
     try:
-        with ctx:
+        with ctx, source_depth(model):
             return fwd(input_ids=ids, use_cache=False).logits.detach()
     finally:
         state.set_mode(mode)

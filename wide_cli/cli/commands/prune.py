@@ -16,6 +16,7 @@ def prune_cmd(
     method: o.Method = None,
     cost_target: o.CostTarget = None,
     cost_metric: o.CostMetric = None,
+    drop_layers: o.DropLayers = None,
     sparsity: o.Sparsity = None,
     sparsity_attention: o.SparsityAttn = None,
     sparsity_ffn: o.SparsityFfn = None,

@@ -46,6 +46,7 @@ def calibrate_cmd(
     method: o.Method = None,
     cost_target: o.CostTarget = None,
     cost_metric: o.CostMetric = None,
+    drop_layers: o.DropLayers = None,
     sparsity: o.Sparsity = None,
     attn_group_size: o.AttnGroup = None,
     ffn_group_size: o.FfnGroup = None,
