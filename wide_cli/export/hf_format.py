@@ -42,7 +42,7 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
 # ----------------------------------------------------------------------------- pure functions
-def static_keep_masks(model) -> dict[tuple[int, str], torch.Tensor]:
+def keep_masks_of_model(model) -> dict[tuple[int, str], torch.Tensor]:
     """``{(layer, module): [G] bool}`` keep masks of a static-width routed model (True = kept);
     a module without a router keeps every group."""
     from wide_cli.routing.model import decoder_layers
@@ -180,7 +180,7 @@ def write_hf(model, tokenizer, dest: Path, *, export_id: str, max_shard_size: st
     info: dict = {}
     kept_heads = inter = None
     if cfg.method == "static-width":
-        keep = static_keep_masks(model)
+        keep = keep_masks_of_model(model)
         backbone, kept_heads, inter = compact_static(
             backbone,
             keep,

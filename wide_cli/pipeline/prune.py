@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wide_cli.pipeline import stages
+from wide_cli.pipeline.common import effective_settings
 from wide_cli.pipeline.rundir import RunDir, run_lock
 from wide_cli.pipeline.settings import Settings
 
@@ -59,7 +60,7 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
     from wide_cli.train import distributed
 
     t0 = time.perf_counter()
-    settings = stages.effective_settings(settings)
+    settings = effective_settings(settings)
     run = RunDir(Path(run_dir))
     out = Path(out) if out else run.default_export
     info = distributed.init(settings.model.device)
@@ -92,7 +93,7 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
                                                               "cost_metric", "cost_fraction")}
         if (settings.stage2.enabled and not settings.stage2.joint
                 and settings.routing.method not in ("dense", "static-width", "static-depth")):
-            from wide_cli.train.lora import train_stage2
+            from wide_cli.pipeline.stage2 import train_stage2
 
             distributed.barrier()
             log(f"[2b] stage 2 (LoRA r={settings.stage2.lora_rank}): {settings.stage2.steps} steps")

@@ -256,10 +256,10 @@ def train(settings, run, *, loaded, resume: bool = False, progress: bool = True)
     (``<run>/stage1/static_depth.json``); with ``settings.stage2.enabled`` also heal with LoRA
     (``<run>/stage2/adapter.safetensors``). Returns the TrainResult of healing (steps 0 without)."""
     from wide_cli.atomic import atomic_write_json
-    from wide_cli.pipeline import stages
+    from wide_cli.pipeline.common import packed_data
     from wide_cli.train.loop import TrainResult
 
-    packed = stages._packed(settings, loaded.tokenizer, run)
+    packed = packed_data(settings, loaded.tokenizer, run)
     p = Path(run.stage1) / SELECTION_FILE
     if resume and p.is_file():
         sel = read_selection(run)
@@ -276,15 +276,15 @@ def train(settings, run, *, loaded, resume: bool = False, progress: bool = True)
 
 def heal_run(settings, run, *, loaded, resume: bool = False, progress: bool = True):
     """LoRA healing of the run's layer-pruned model; writes ``<run>/stage2/adapter.safetensors``."""
-    from safetensors.torch import save_file
-
-    from wide_cli.pipeline import stages
+    from wide_cli.artifacts import ADAPTER_FILE
+    from wide_cli.atomic import atomic_save_safetensors
+    from wide_cli.pipeline.common import packed_data
     from wide_cli.routing import attach_routers
     from wide_cli.train.loop import train_stage
-    from wide_cli.train.lora import ADAPTER, adapter_state_dict, wrap_lora
+    from wide_cli.train.lora import adapter_state_dict, wrap_lora
 
     sel = read_selection(run)
-    packed = stages._packed(settings, loaded.tokenizer, run)
+    packed = packed_data(settings, loaded.tokenizer, run)
     model = prune_copy(loaded.model, sel["removed"])
     # the training loop drives a RoutingState; a dense one routes nothing and adds no loss term
     attach_routers(model, PLAIN_ROUTING)
@@ -297,20 +297,18 @@ def heal_run(settings, run, *, loaded, resume: bool = False, progress: bool = Tr
              "stage2": {**settings.stage2.__dict__, "target_modules": list(settings.stage2.target_modules)}}
     res = train_stage(peft_model, packed.train, tcfg, stage_dir=run.stage2, identity=ident, resume=resume,
                       progress=progress, tau=(1.0, 1.0))
-    tmp = run.stage2 / (ADAPTER + ".tmp")
-    save_file(adapter_state_dict(peft_model), str(tmp))
-    tmp.replace(run.stage2 / ADAPTER)
+    atomic_save_safetensors(run.stage2 / ADAPTER_FILE, adapter_state_dict(peft_model))
     return res
 
 
 def pruned_model_from_run(settings, run, *, loaded):
     """The run's smaller model: the selected layers removed, the healing adapter merged when the
     run's stage 2 is on and done. Returns ``(model, selection, healed)``."""
-    from wide_cli.train.lora import ADAPTER
+    from wide_cli.artifacts import ADAPTER_FILE
 
     sel = read_selection(run)
     model = remove_layers(loaded.model, sel["removed"])
-    apath = run.stage2 / ADAPTER
+    apath = run.stage2 / ADAPTER_FILE
     healed = bool(settings.stage2.enabled and apath.is_file())
     if healed:
         from safetensors.torch import load_file
