@@ -13,13 +13,14 @@ import torch
 from wide_cli.artifacts import (
     ADAPTER_FILE,
     RESULT_JSON,
-    ROUTER_MODULES,
     ROUTERS_FILE,
     STATS_FILE,
     read_routers,
+    sha256_file,
 )
 from wide_cli.atomic import atomic_save_safetensors
 from wide_cli.errors import CheckpointError, ConfigError
+from wide_cli.models.arch import ROUTED_MODULES
 from wide_cli.pipeline.common import load_backbone
 from wide_cli.pipeline.rundir import RunDir
 from wide_cli.pipeline.settings import Settings, Stage2Config
@@ -32,7 +33,7 @@ def static_keep_from_statistics(stats, settings: Settings, layout) -> dict:
     from wide_cli.calibrate.selection import static_width_keep
 
     keep = {}
-    for module in ROUTER_MODULES:
+    for module in ROUTED_MODULES:
         on = settings.routing.route_attention if module == "attention" else settings.routing.route_ffn
         gs = layout.attn_group_size if module == "attention" else layout.ffn_group_size
         imp = stats.group_importance(module, gs)  # [L, G]
@@ -214,8 +215,6 @@ def routed_model_from_run(settings: Settings, run: RunDir, *, loaded=None):
 
 def stage1_routers_sha256(run) -> str | None:
     """sha256 of ``<run>/stage1/routers.safetensors`` (None when absent)."""
-    from wide_cli.export.manifest import sha256_file
-
     p = Path(run.stage1) / ROUTERS_FILE
     return sha256_file(p) if p.is_file() else None
 
