@@ -1,6 +1,8 @@
 """wide: token-level dynamic width pruning (WIDE) for Llama-family LLMs."""
 
-__version__ = "0.1.0"
+from wide_cli.version import __version__
+
+__all__ = ["__version__", "load_pruned"]
 
 
 def load_pruned(*args, **kwargs):

@@ -33,6 +33,14 @@ def atomic_write_json(path: Path, obj) -> None:
     atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, default=str) + "\n").encode())
 
 
+def atomic_save_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """Atomically write ``tensors`` (``{name: torch.Tensor}``, contiguous, no shared storage) as a
+    safetensors file, serialised in memory first (for small files: routers, adapters)."""
+    from safetensors.torch import save
+
+    atomic_write_bytes(Path(path), save(tensors, metadata=metadata))
+
+
 @contextlib.contextmanager
 def atomic_directory(final: Path):
     """Build a directory at a temp path beside ``final``; on success swap it into place.

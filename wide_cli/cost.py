@@ -47,10 +47,10 @@ from dataclasses import dataclass
 
 import torch
 
-from wide_cli.models.arch import ModelShape
+from wide_cli.models.arch import ROUTED_MODULES, ModelShape
 
 METRICS = ("flops", "decode_bytes")
-MODULES = ("attention", "ffn")
+MODULES = ROUTED_MODULES
 
 
 def context_for(seq_len: int) -> float:

@@ -36,9 +36,10 @@ def test_prune_lora_equals_staged_stage2_and_merges(tmp_path, text_file):
 
     # the merged export computes what the unmerged adapter model computes
     from wide_cli.export import load_pruned
+    from wide_cli.pipeline.common import load_backbone
+    from wide_cli.pipeline.routers import routed_model_from_run
     from wide_cli.pipeline.rundir import RunDir
     from wide_cli.pipeline.settings import settings_from_dict
-    from wide_cli.pipeline.stages import load_backbone, routed_model_from_run
 
     run = RunDir(staged)
     settings = settings_from_dict(json.loads((staged / "run.json").read_text())["settings"])

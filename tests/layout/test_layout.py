@@ -13,29 +13,12 @@ from tests.layout._import_graph import PACKAGE_ROOT, cycles, import_graph, modul
 MAX_LINES = 600
 
 # Cycles through imports inside functions (held together by deferring the import to call time).
-# Both belong to the part of the refactor that is not done yet (issue 14, items 1 and 2):
-ALLOWED_CALL_TIME_CYCLES: tuple[frozenset[str], ...] = (
-    # the export files import each other's readers and writers; a leaf module that owns the
-    # export/run-dir vocabulary and reading removes this (wide_cli.__init__ re-exports load_pruned)
-    frozenset(
-        {
-            "wide_cli",
-            "wide_cli.export.hf_format",
-            "wide_cli.export.loader",
-            "wide_cli.export.modeling_template",
-            "wide_cli.export.writer",
-        }
-    ),
-    # stage 2 lives in train/ but is a pipeline stage (train.lora reads run dirs and calls the
-    # static-depth healing, which calls back into pipeline.stages): moving stage 2 to pipeline/
-    # and handing train/ only plain tensors and configs removes this
-    frozenset({"wide_cli.pipeline.stages", "wide_cli.pipeline.static_depth", "wide_cli.train.lora"}),
-)
+# None are left; an entry here would name a known one while it is being removed.
+ALLOWED_CALL_TIME_CYCLES: tuple[frozenset[str], ...] = ()
 
 # Modules over MAX_LINES that another change is rewriting right now; split them, then drop them here.
 ALLOWED_LONG_MODULES: frozenset[str] = frozenset({
     "wide_cli/runtime/backend.py",  # the backend Protocol plus a second checkpoint reader (issue 14, item 1)
-    "wide_cli/pipeline/stages.py",  # glue + static-width selection + router init (issue 14, item 2)
     "wide_cli/runtime/bench.py",  # benchmarks: to their own package like gpu_check (issue 14, item 4)
     "wide_cli/runtime/cpu.py",  # grew with the concurrent CPU-runtime work; split it next
     "wide_cli/runtime/engine.py",  # grew with the concurrent runtime work; split it next

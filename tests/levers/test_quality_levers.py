@@ -102,7 +102,7 @@ def test_standin_vectors_equal_their_definition(stats_and_dense):
 
 
 def test_skipped_group_adds_its_standin_and_disabled_costs_nothing(stats_and_dense):
-    from wide_cli.pipeline.stages import init_standins_from_statistics
+    from wide_cli.pipeline.routers import init_standins_from_statistics
 
     stats, _ = stats_and_dense
     plain = _routed(standin="none")
@@ -135,7 +135,7 @@ def test_skipped_group_adds_its_standin_and_disabled_costs_nothing(stats_and_den
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_runtime_applies_the_standins_like_the_hf_model(tmp_path, stats_and_dense, backend):
-    from wide_cli.pipeline.stages import init_standins_from_statistics
+    from wide_cli.pipeline.routers import init_standins_from_statistics
     from wide_cli.runtime.engine import Runtime
 
     stats, _ = stats_and_dense
@@ -175,7 +175,7 @@ def test_cost_target_drives_the_weighted_fraction(tmp_path):
 
 
 def test_skip_offset_lands_on_the_cost_target():
-    from wide_cli.pipeline.stages import calibrate_skip_offset
+    from wide_cli.pipeline.routers import calibrate_skip_offset
 
     model = _routed(cost_target=0.7)
     st = model.wide_routing

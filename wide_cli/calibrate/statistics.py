@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 
 from wide_cli.errors import CheckpointError, ConfigError
+from wide_cli.models.arch import ROUTED_MODULES
 
 FORMAT = "wide-group-statistics"
 FORMAT_VERSION = "1"
-MODULES = ("attention", "ffn")
+MODULES = ROUTED_MODULES
 
 
 @dataclass

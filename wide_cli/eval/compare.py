@@ -280,9 +280,9 @@ def compare(targets: list[str], *, tasks: list[str], data_dir: Path | None, limi
     """
     import platform
 
-    from wide_cli import __version__
     from wide_cli.atomic import atomic_write_bytes, atomic_write_json
     from wide_cli.eval.run import evaluate_targets
+    from wide_cli.version import __version__
 
     log = log or (lambda msg: None)
     dup = sorted({t for t in targets if targets.count(t) > 1})
@@ -323,8 +323,7 @@ def compare(targets: list[str], *, tasks: list[str], data_dir: Path | None, limi
 def _attach_export_facts(report: dict) -> None:
     """Copy what the rows need from each export's ``wide_config.json`` (static-depth selection,
     LoRA) into the eval report's rows."""
-    from wide_cli.export import is_export
-    from wide_cli.export.loader import read_wide_config
+    from wide_cli.artifacts import is_export, read_wide_config
 
     for r in report["rows"]:
         if is_export(r["name"]):

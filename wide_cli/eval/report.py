@@ -104,7 +104,7 @@ def build_report(rows: list[dict], *, settings: dict, warnings: list[str] | None
 
 
 def _wide_version() -> str:
-    from wide_cli import __version__
+    from wide_cli.version import __version__
 
     return str(__version__)
 

@@ -28,6 +28,13 @@ from pathlib import Path
 
 import torch
 
+from wide_cli.artifacts import (
+    WEIGHTS_INDEX,
+    PrunedModel,
+    backbone_state_dict,
+    open_export,
+    unreadable_weights,
+)
 from wide_cli.atomic import atomic_write_json
 from wide_cli.export.modeling_template import (
     ARCH_PREFIX,
@@ -36,13 +43,11 @@ from wide_cli.export.modeling_template import (
     render_configuration,
     render_modeling,
 )
-
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
+from wide_cli.models.arch import ROUTED_MODULES
 
 
 # ----------------------------------------------------------------------------- pure functions
-def static_keep_masks(model) -> dict[tuple[int, str], torch.Tensor]:
+def keep_masks_of_model(model) -> dict[tuple[int, str], torch.Tensor]:
     """``{(layer, module): [G] bool}`` keep masks of a static-width routed model (True = kept);
     a module without a router keeps every group."""
     from wide_cli.routing.model import decoder_layers
@@ -50,7 +55,7 @@ def static_keep_masks(model) -> dict[tuple[int, str], torch.Tensor]:
     state = model.wide_routing
     out = {}
     for i, layer in enumerate(decoder_layers(model)):
-        for module in ("attention", "ffn"):
+        for module in ROUTED_MODULES:
             r = getattr(layer, f"router_{module}", None)
             g = state.groups(module)
             out[(i, module)] = r.keep.detach().cpu().bool() if r is not None else torch.ones(g, dtype=torch.bool)
@@ -168,7 +173,6 @@ def write_hf(model, tokenizer, dest: Path, *, export_id: str, max_shard_size: st
     Returns a summary for ``wide_config.json``: for static width ``{"static": {kept_heads,
     intermediate_sizes, kept_groups: {attention: [[g, ...] per layer], ffn: [...]}}}``, else ``{}``.
     """
-    from wide_cli.export.writer import backbone_state_dict
     from wide_cli.routing.model import router_state_dict
 
     state = model.wide_routing
@@ -180,7 +184,7 @@ def write_hf(model, tokenizer, dest: Path, *, export_id: str, max_shard_size: st
     info: dict = {}
     kept_heads = inter = None
     if cfg.method == "static-width":
-        keep = static_keep_masks(model)
+        keep = keep_masks_of_model(model)
         backbone, kept_heads, inter = compact_static(
             backbone,
             keep,
@@ -195,7 +199,7 @@ def write_hf(model, tokenizer, dest: Path, *, export_id: str, max_shard_size: st
             "intermediate_sizes": inter,
             "kept_groups": {
                 m: [keep[(i, m)].nonzero().flatten().tolist() for i in range(state.shape.num_layers)]
-                for m in ("attention", "ffn")
+                for m in ROUTED_MODULES
             },
         }
     else:
@@ -272,7 +276,7 @@ def refuse_shipped_code(path) -> None:
 
     bad = differing_shipped_file(path, hf_base_model_type(path))
     if bad is not None:
-        from wide_cli import __version__
+        from wide_cli.version import __version__
 
         raise CheckpointError(
             f"{Path(path) / bad} is not the code wide {__version__} generates (edited, or from another wide "
@@ -301,7 +305,6 @@ def load_hf_export(path, *, dtype: torch.dtype = torch.float32, device="cpu", ve
     from transformers import AutoModelForCausalLM
 
     from wide_cli.errors import CheckpointError
-    from wide_cli.export.loader import PrunedModel, open_export, unreadable_weights
     from wide_cli.export.modeling_template import own_classes
 
     path, wcfg, tokenizer = open_export(path, verify=verify)

@@ -2,88 +2,24 @@
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 
+from wide_cli.artifacts import (
+    ROUTERS_FILE,
+    PrunedModel,
+    is_export,
+    open_export,
+    read_routers,
+    routing_config_from,
+    static_keep_from_routers,
+    unreadable_weights,
+)
 from wide_cli.errors import CheckpointError
-from wide_cli.export.manifest import verify_manifest
-from wide_cli.export.writer import ROUTERS_FILE, WIDE_CONFIG
-from wide_cli.routing.config import RoutingConfig
 
-
-@dataclass
-class PrunedModel:
-    """A loaded export.
-
-    Attributes:
-        model: routed ``*ForCausalLM`` in eval mode, routing in deterministic ``argmax`` mode.
-        tokenizer: the export's tokenizer.
-        wide_config: the parsed ``wide_config.json``.
-        path: the export directory.
-    """
-
-    model: object
-    tokenizer: object
-    wide_config: dict
-    path: Path
-
-
-def is_export(path) -> bool:
-    """True when ``path`` is a directory holding ``wide_config.json``."""
-    p = Path(path)
-    return p.is_dir() and (p / WIDE_CONFIG).is_file()
-
-
-def read_wide_config(path: Path) -> dict:
-    p = Path(path) / WIDE_CONFIG
-    try:
-        return json.loads(p.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{p} is missing: not a wide export", "export one with `wide export`") from None
-    except ValueError as e:
-        raise CheckpointError(f"{p} is not valid JSON ({e})", "re-run `wide export`") from None
-
-
-def check_manifest_owner(path: Path) -> None:
-    """Refuse a ``manifest.json`` copied from another export, naming the manifest (checked
-    before the files, whose hashes would otherwise point at an innocent file).
-
-    Raises:
-        CheckpointError: the manifest's ``export_id`` differs from ``wide_config.json``'s.
-    """
-    path = Path(path)
-    try:
-        mid = json.loads((path / "manifest.json").read_text()).get("export_id")
-        wid = json.loads((path / WIDE_CONFIG).read_text()).get("export_id")
-    except (OSError, ValueError, AttributeError):
-        return  # missing / unreadable: verify_manifest and read_wide_config name the file
-    if mid != wid:
-        raise CheckpointError(
-            f"{path / 'manifest.json'} belongs to another export ({mid} != {wid})", "re-run `wide export`"
-        )
-
-
-def unreadable_weights(path: Path) -> str | None:
-    """Name of the first ``*.safetensors`` file in ``path`` whose header cannot be read, or None."""
-    from safetensors import safe_open
-
-    for f in sorted(Path(path).glob("*.safetensors")):
-        try:
-            with safe_open(str(f), "pt"):
-                pass
-        except (SafetensorError, OSError):  # either way this is the file to name
-            return f.name
-    return None
-
-
-def routing_config_from(wide_config: dict) -> RoutingConfig:
-    fields = RoutingConfig.__dataclass_fields__
-    return RoutingConfig(**{k: v for k, v in wide_config["routing"].items() if k in fields})
+__all__ = ["PrunedModel", "is_export", "load_pruned", "next_token_entropy"]
 
 
 def next_token_entropy(model, tokenizer, prompt: str = "The quick brown fox jumps over the lazy dog.") -> float:
@@ -93,27 +29,6 @@ def next_token_entropy(model, tokenizer, prompt: str = "The quick brown fox jump
         logits = model(ids).logits[0, -1].float()
     p = torch.softmax(logits, -1)
     return float(-(p * torch.log(p.clamp_min(1e-30))).sum())
-
-
-def open_export(path, *, verify: bool = True):
-    """Check an export (manifest owner and hashes when ``verify``) and read its
-    ``wide_config.json`` and tokenizer. Returns ``(path, wide_config, tokenizer)``.
-
-    Raises:
-        CheckpointError: naming the missing, corrupt or foreign file.
-    """
-    from wide_cli.models.loader import load_tokenizer
-
-    path = Path(path)
-    if verify:
-        check_manifest_owner(path)
-        verify_manifest(path)
-    wcfg = read_wide_config(path)
-    try:
-        tokenizer = load_tokenizer(path)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot load the tokenizer of {path}: {e}", "re-run `wide export`") from None
-    return path, wcfg, tokenizer
 
 
 def load_pruned(
@@ -197,21 +112,10 @@ def load_pruned(
     cfg = routing_config_from(wcfg)
     static_keep = None
     routers = {}
-    rpath = path / ROUTERS_FILE
     if cfg.method != "dense":
-        if not rpath.is_file():
-            raise CheckpointError(f"{rpath} is missing", "re-run `wide export`")
-        from safetensors.torch import load_file
-
-        try:
-            routers = load_file(str(rpath))
-        except Exception as e:  # safetensors raises its own error types
-            raise CheckpointError(f"{rpath} is unreadable ({e})", "re-run `wide export`") from None
+        routers = read_routers(path / ROUTERS_FILE)
         if cfg.method == "static-width":
-            static_keep = {}
-            for name, t in routers.items():
-                _, _, i, mod, *_ = name.split(".")
-                static_keep[(int(i), mod.removeprefix("router_"))] = t
+            static_keep = static_keep_from_routers(routers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         attach_routers(model, cfg, static_keep=static_keep)

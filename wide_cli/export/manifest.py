@@ -1,23 +1,12 @@
-"""``manifest.json``: sha256 and size of every file of an export; loaders verify it."""
+"""``manifest.json``: sha256 and size of every file of an export; loaders verify it
+(``wide_cli.artifacts.verify_manifest``)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
+from wide_cli.artifacts import MANIFEST, sha256_file
 from wide_cli.atomic import atomic_write_json
-from wide_cli.errors import CheckpointError
-
-MANIFEST = "manifest.json"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
 
 
 def _files(root: Path) -> list[Path]:
@@ -43,41 +32,4 @@ def write_manifest(root: Path, *, export_id: str, weight_format: str | None = No
     if weight_format is not None:
         manifest["weight_format"] = weight_format
     atomic_write_json(root / MANIFEST, manifest)
-    return manifest
-
-
-def verify_manifest(root: Path) -> dict:
-    """Check every file listed in ``manifest.json`` (size, then sha256) and that no listed file is
-    missing.
-
-    Raises:
-        CheckpointError: naming the first missing, truncated or corrupt file, or a missing or
-            unreadable manifest (an incomplete export).
-    """
-    root = Path(root)
-    mpath = root / MANIFEST
-    if not root.is_dir():
-        raise CheckpointError(f"export directory {str(root)!r} does not exist", "check the path")
-    if not mpath.is_file():
-        raise CheckpointError(
-            f"{mpath} is missing: {str(root)!r} is not a complete wide export",
-            "re-run `wide export` (an interrupted export leaves no manifest)",
-        )
-    try:
-        manifest = json.loads(mpath.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{mpath} is corrupt ({e})", "re-run `wide export`") from None
-    for rel, info in files.items():
-        p = root / rel
-        if not p.is_file():
-            raise CheckpointError(f"{p} is listed in the manifest but missing", "re-run `wide export`")
-        size = p.stat().st_size
-        if size != info["size"]:
-            raise CheckpointError(
-                f"{p} has {size} bytes, the manifest says {info['size']} (truncated or replaced)",
-                "re-run `wide export`",
-            )
-        if sha256_file(p) != info["sha256"]:
-            raise CheckpointError(f"{p} fails its sha256 check (corrupt or modified)", "re-run `wide export`")
     return manifest

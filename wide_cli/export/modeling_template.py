@@ -19,7 +19,7 @@ import importlib
 import inspect
 import re
 
-from wide_cli import __version__
+from wide_cli.version import __version__
 
 MODELING_FILE = "modeling_wide.py"
 CONFIGURATION_FILE = "configuration_wide.py"

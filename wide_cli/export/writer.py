@@ -17,16 +17,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from wide_cli import __version__
+from wide_cli.artifacts import ROUTERS_FILE, WIDE_CONFIG, backbone_state_dict
 from wide_cli.atomic import atomic_directory, atomic_write_json
 from wide_cli.errors import CheckpointError
 from wide_cli.export.manifest import write_manifest
 from wide_cli.export.model_card import write_model_card
 from wide_cli.routing.model import router_state_dict
+from wide_cli.version import __version__
 
 FORMAT_VERSION = 1
-WIDE_CONFIG = "wide_config.json"
-ROUTERS_FILE = "routers.safetensors"
 INT8_SCHEME = ("symmetric int8, per output row (q/k/v, gate/up, embeddings, lm_head) and per row and routed group "
                "of the reduction axis (o_proj, down_proj); NAME_scale [N, K / group] fp32, weight = q * scale")
 EXPORT_FORMATS = ("wide", "hf")
@@ -51,11 +50,6 @@ def check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
                 f"{what} tensor {name} contains NaN/Inf; refusing to export",
                 "the run diverged: resume from an earlier checkpoint or lower --lr",
             )
-
-
-def backbone_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's state dict without router tensors (HF names, as stored)."""
-    return {k: v for k, v in model.state_dict().items() if ".router_attention." not in k and ".router_ffn." not in k}
 
 
 def export_model(

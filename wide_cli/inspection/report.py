@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wide_cli.errors import CheckpointError, ConfigError
+from wide_cli.models.arch import ROUTED_MODULES
 
-MODULES = ("attention", "ffn")
+MODULES = ROUTED_MODULES
 
 
 # ----------------------------------------------------------------------------- files
@@ -40,6 +41,8 @@ def parameter_counts(path: Path) -> dict:
     """
     from safetensors import safe_open
 
+    from wide_cli.artifacts import is_router_tensor
+
     counts = {"backbone": 0, "routers": 0}
     dtypes: dict[str, int] = {}
     for f in sorted(Path(path).glob("*.safetensors")):
@@ -49,7 +52,7 @@ def parameter_counts(path: Path) -> dict:
                 n = 1
                 for d in sl.get_shape():
                     n *= int(d)
-                counts["routers" if (".router_attention." in k or ".router_ffn." in k) else "backbone"] += n
+                counts["routers" if is_router_tensor(k) else "backbone"] += n
                 dtypes[str(sl.get_dtype())] = dtypes.get(str(sl.get_dtype()), 0) + n
     return {**counts, "total": counts["backbone"] + counts["routers"], "dtypes": dtypes}
 
@@ -93,7 +96,8 @@ def settings_of(wc: dict) -> dict:
 def load_export(path: Path, *, verify: bool = True, trust_remote_code: bool = False):
     """Load an export of either format (a ``PrunedModel``), CPU, fp32, argmax routing; an hf
     export's shipped code runs only with ``trust_remote_code``."""
-    from wide_cli.export.loader import load_pruned, read_wide_config
+    from wide_cli.artifacts import read_wide_config
+    from wide_cli.export.loader import load_pruned
 
     wc = read_wide_config(path)
     if export_format(path, wc) == "hf":
@@ -266,8 +270,7 @@ def inspect_export(
         CheckpointError: not an export, or a missing / damaged file (named).
         ConfigError: ``layer`` out of range, or ``layer`` without ``prompt``.
     """
-    from wide_cli.export.loader import check_manifest_owner, read_wide_config
-    from wide_cli.export.manifest import verify_manifest
+    from wide_cli.artifacts import check_manifest_owner, read_wide_config, verify_manifest
 
     path = Path(path)
     if not path.is_dir():

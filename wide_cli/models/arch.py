@@ -19,6 +19,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: the two routed blocks of a decoder layer (attention: query-head groups; ffn: channel groups),
+#: in the order every table, file and tensor name of wide lists them
+ROUTED_MODULES = ("attention", "ffn")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wide_cli.pipeline import stages
+from wide_cli.pipeline.common import effective_settings
 from wide_cli.pipeline.rundir import RunDir, run_lock
 from wide_cli.pipeline.settings import Settings
 
@@ -60,7 +61,7 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
     from wide_cli.train import distributed
 
     t0 = time.perf_counter()
-    settings = stages.effective_settings(settings)
+    settings = effective_settings(settings)
     run = RunDir(Path(run_dir))
     out = Path(out) if out else run.default_export
     info = distributed.init(settings.model.device)
@@ -86,7 +87,9 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
         tr = stages.train(settings, run, resume=resume, loaded=loaded, progress=progress)
         train_info = tr.to_dict()
         if settings.routing.drop_layers and info.is_main:
-            sel = stages.apply_drop_layers(settings, run, loaded)
+            from wide_cli.pipeline.static_depth import apply_drop_layers
+
+            sel = apply_drop_layers(settings, run, loaded)
             train_info["dropped_layers"] = {k: sel[k] for k in ("removed", "num_layers", "cost_fraction", "cost_metric")}
         if settings.routing.method == "static-depth" and info.is_main:
             from wide_cli.pipeline.static_depth import read_selection
@@ -96,7 +99,7 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
                                                               "cost_metric", "cost_fraction")}
         if (settings.stage2.enabled and not settings.stage2.joint
                 and settings.routing.method not in ("dense", "static-width", "static-depth")):
-            from wide_cli.train.lora import train_stage2
+            from wide_cli.pipeline.stage2 import train_stage2
 
             distributed.barrier()
             log(f"[2b] stage 2 (LoRA r={settings.stage2.lora_rank}): {settings.stage2.steps} steps")

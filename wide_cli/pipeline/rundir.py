@@ -9,9 +9,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from wide_cli import __version__
 from wide_cli.atomic import atomic_write_json
 from wide_cli.errors import CheckpointError
+from wide_cli.version import __version__
 
 RUN_JSON = "run.json"
 LOCK = ".lock"

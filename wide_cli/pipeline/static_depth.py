@@ -136,8 +136,7 @@ def layers_to_remove(influence: torch.Tensor, cm, target: float, *, model_name: 
             f"{cm.model_floor / cm.dense_total:.3f})",
             f"choose a cost target in [{lo:.3f}, 1); one layer is {cm.layer_fraction:.3f} of dense",
         )
-    order = sorted(range(len(influence)), key=lambda i: (float(influence[i]), -i))
-    return sorted(cost.layers_to_drop(cm, target + 1e-9, order))
+    return sorted(cost.layers_to_drop(cm, target + 1e-9, influence_order(influence)))
 
 
 def export_cost(wide_config: dict, shape, *, seq_len: int) -> tuple[dict, float]:
@@ -256,10 +255,10 @@ def train(settings, run, *, loaded, resume: bool = False, progress: bool = True)
     (``<run>/stage1/static_depth.json``); with ``settings.stage2.enabled`` also heal with LoRA
     (``<run>/stage2/adapter.safetensors``). Returns the TrainResult of healing (steps 0 without)."""
     from wide_cli.atomic import atomic_write_json
-    from wide_cli.pipeline import stages
+    from wide_cli.pipeline.common import packed_data
     from wide_cli.train.loop import TrainResult
 
-    packed = stages._packed(settings, loaded.tokenizer, run)
+    packed = packed_data(settings, loaded.tokenizer, run)
     p = Path(run.stage1) / SELECTION_FILE
     if resume and p.is_file():
         sel = read_selection(run)
@@ -276,15 +275,15 @@ def train(settings, run, *, loaded, resume: bool = False, progress: bool = True)
 
 def heal_run(settings, run, *, loaded, resume: bool = False, progress: bool = True):
     """LoRA healing of the run's layer-pruned model; writes ``<run>/stage2/adapter.safetensors``."""
-    from safetensors.torch import save_file
-
-    from wide_cli.pipeline import stages
+    from wide_cli.artifacts import ADAPTER_FILE
+    from wide_cli.atomic import atomic_save_safetensors
+    from wide_cli.pipeline.common import packed_data
     from wide_cli.routing import attach_routers
     from wide_cli.train.loop import train_stage
-    from wide_cli.train.lora import ADAPTER, adapter_state_dict, wrap_lora
+    from wide_cli.train.lora import adapter_state_dict, wrap_lora
 
     sel = read_selection(run)
-    packed = stages._packed(settings, loaded.tokenizer, run)
+    packed = packed_data(settings, loaded.tokenizer, run)
     model = prune_copy(loaded.model, sel["removed"])
     # the training loop drives a RoutingState; a dense one routes nothing and adds no loss term
     attach_routers(model, PLAIN_ROUTING)
@@ -297,20 +296,18 @@ def heal_run(settings, run, *, loaded, resume: bool = False, progress: bool = Tr
              "stage2": {**settings.stage2.__dict__, "target_modules": list(settings.stage2.target_modules)}}
     res = train_stage(peft_model, packed.train, tcfg, stage_dir=run.stage2, identity=ident, resume=resume,
                       progress=progress, tau=(1.0, 1.0))
-    tmp = run.stage2 / (ADAPTER + ".tmp")
-    save_file(adapter_state_dict(peft_model), str(tmp))
-    tmp.replace(run.stage2 / ADAPTER)
+    atomic_save_safetensors(run.stage2 / ADAPTER_FILE, adapter_state_dict(peft_model))
     return res
 
 
 def pruned_model_from_run(settings, run, *, loaded):
     """The run's smaller model: the selected layers removed, the healing adapter merged when the
     run's stage 2 is on and done. Returns ``(model, selection, healed)``."""
-    from wide_cli.train.lora import ADAPTER
+    from wide_cli.artifacts import ADAPTER_FILE
 
     sel = read_selection(run)
     model = remove_layers(loaded.model, sel["removed"])
-    apath = run.stage2 / ADAPTER
+    apath = run.stage2 / ADAPTER_FILE
     healed = bool(settings.stage2.enabled and apath.is_file())
     if healed:
         from safetensors.torch import load_file
@@ -364,10 +361,14 @@ def export(settings, run, out: Path, *, loaded, export_format: str = "wide"):
 DROP_FILE = "drop_layers.json"
 
 
+def influence_order(influence) -> list[int]:
+    """Layer indices, least influential first (ties in Block Influence: the later layer first)."""
+    return sorted(range(len(influence)), key=lambda i: (float(influence[i]), -i))
+
+
 def least_influential(influence, n: int) -> list[int]:
-    """The ``n`` layers of lowest Block Influence (ties: the later layer first), sorted."""
-    order = sorted(range(len(influence)), key=lambda i: (float(influence[i]), -i))
-    return sorted(order[:n])
+    """The ``n`` layers of lowest Block Influence, sorted by index."""
+    return sorted(influence_order(influence)[:n])
 
 
 def hybrid_selection(settings, model, packed_train: torch.Tensor, *, previous: dict | None = None,
@@ -486,3 +487,51 @@ def hybrid_export_cost(wide_config: dict, shape, sparsity, *, seq_len: int, rout
     b_full = cost_model(source, metric="decode_bytes").dense_total
     routed_bytes = b_kept.dense_total * (1.0 - b_kept.skip_from_summary(sparsity))
     return flops, b_full / routed_bytes
+
+
+def apply_drop_layers(settings, run, loaded, *, packed=None) -> dict | None:
+    """Hybrid depth + width (``routing.drop_layers``): remove the run's least influential layers
+    from ``loaded.model`` in place, once (later calls see them gone). The selection is made by
+    Block Influence on the training data the first time and kept in
+    ``<run>/calibration/drop_layers.json``, so every stage removes the same layers.
+
+    Returns the selection (``hybrid_selection``), or None without ``drop_layers``.
+
+    Raises:
+        CheckpointError: the model already lost other layers than the run's file names.
+    """
+    import json
+
+    from wide_cli.atomic import atomic_write_json
+    from wide_cli.errors import CheckpointError
+    from wide_cli.pipeline.common import packed_data
+
+    n = settings.routing.drop_layers
+    if not n:
+        return None
+    path = Path(run.calibration) / DROP_FILE
+    previous = json.loads(path.read_text()) if path.is_file() else None
+    if previous is not None and len(previous["removed"]) == n and previous["cost_metric"] == settings.routing.cost_metric:
+        sel = previous
+    else:
+        if is_layer_pruned(loaded.model):
+            raise CheckpointError(f"{path} does not match drop-layers {n}",
+                                  f"re-run `wide calibrate --run-dir {run.root}`")
+        packed = packed or packed_data(settings, loaded.tokenizer, run)
+        sel = hybrid_selection(settings, loaded.model, packed.train, previous=previous)
+        Path(run.calibration).mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, sel)
+    if not is_layer_pruned(loaded.model):
+        drop_for_hybrid(loaded.model, sel["removed"])
+        log.info("drop-layers %d: removed layers %s by Block Influence (%.3f of dense %s before routing)",
+                 n, sel["removed"], sel["cost_fraction"], sel["cost_metric"])
+    return sel
+
+
+def dropped_layers_of_run(settings, run) -> dict | None:
+    """The run's ``drop_layers.json`` (what a hybrid export records), None without drop-layers."""
+    import json
+
+    if not settings.routing.drop_layers:
+        return None
+    return json.loads((Path(run.calibration) / DROP_FILE).read_text())

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from wide_cli.models.arch import ModelShape
+from wide_cli.models.arch import ROUTED_MODULES, ModelShape
 from wide_cli.routing.config import GroupLayout, RoutingConfig
 from wide_cli.routing.gumbel import argmax_execute, hard_gumbel_execute, skip_fraction
 
-MODULES = ("attention", "ffn")
+MODULES = ROUTED_MODULES  # copied by value into hf exports (export/modeling_template.py)
 MODES = ("argmax", "gumbel", "dense")
 
 

@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from wide_cli.artifacts import parse_router_name
 from wide_cli.errors import CheckpointError, ConfigError
 
 
@@ -260,7 +261,6 @@ def get_backend(name: str, device: str | torch.device | None = None) -> Backend:
 # ----------------------------------------------------------------------------------------------
 # reading a checkpoint into ModelWeights (Hugging Face tensor names; strict: B14, B30)
 
-ROUTER_MODULES = ("attention", "ffn")
 
 
 @dataclass(frozen=True)
@@ -412,15 +412,15 @@ def weights_from_tensors(
     rt: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     bad_router = []
     for name, t in routers.items():
-        parts = name.split(".")
         try:
-            assert parts[0] == "model" and parts[1] == "layers"
-            i, mod = int(parts[2]), parts[3].removeprefix("router_")
-            assert parts[3].startswith("router_") and mod in ROUTER_MODULES
-        except (AssertionError, IndexError, ValueError):
+            i, mod, rest = parse_router_name(name)
+        except ValueError:
             bad_router.append(name)
             continue
-        rt.setdefault((i, mod), {})[".".join(parts[4:])] = t
+        if not name.startswith(f"model.layers.{i}.router_{mod}."):  # the runtime reads Llama-style names only
+            bad_router.append(name)
+            continue
+        rt.setdefault((i, mod), {})[rest] = t
     if bad_router:
         raise _ckpt_error(f"unexpected router tensors {bad_router[:5]}")
 
@@ -541,10 +541,10 @@ def weights_from_model(model) -> tuple[ModelWeights, bool]:
         ``(weights, routed)``: routed is False for a plain model, ``dense`` method, or routing
         mode ``dense``.
     """
+    from wide_cli.artifacts import split_router_tensors
+
     state = getattr(model, "wide_routing", None)
-    sd = model.state_dict()
-    routers = {k: v for k, v in sd.items() if ".router_attention." in k or ".router_ffn." in k}
-    tensors = {k: v for k, v in sd.items() if k not in routers}
+    tensors, routers = split_router_tensors(model.state_dict())
     if state is None:
         info, routed = RoutingInfo(), False
     else:
@@ -602,21 +602,24 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
     import json
     from pathlib import Path
 
-    from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from wide_cli.artifacts import (
+        ROUTERS_FILE,
+        check_manifest_owner,
+        read_routers,
+        read_wide_config,
+        split_router_tensors,
+        verify_manifest,
+    )
     from wide_cli.export.hf_format import hf_export_config, is_hf_export
-    from wide_cli.export.loader import read_wide_config
-    from wide_cli.export.manifest import verify_manifest
-    from wide_cli.export.writer import ROUTERS_FILE
     from wide_cli.models.consistency import check_config_matches
 
     path = Path(path)
     if verify:
-        manifest = verify_manifest(path)
+        check_manifest_owner(path)
+        verify_manifest(path)
     wcfg = read_wide_config(path)
-    if verify and manifest.get("export_id") != wcfg.get("export_id"):
-        raise _ckpt_error(f"{path / 'manifest.json'} belongs to another export", "re-run `wide export`")
     hf = is_hf_export(path)  # read as data into wide's own config class; its .py files never run
     try:
         config = hf_export_config(path) if hf else AutoConfig.from_pretrained(
@@ -633,16 +636,10 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
     check_config_matches(config, {k: tuple(v.shape) for k, v in tensors.items()}, config_file=path / "config.json",
                          weights_file="model.safetensors", error=CheckpointError)
     routers = {}
-    rpath = path / ROUTERS_FILE
     if hf:  # the routers sit with the backbone in one set of weight files
-        routers = {k: tensors.pop(k) for k in [k for k in tensors if ".router_attention." in k or ".router_ffn." in k]}
+        tensors, routers = split_router_tensors(tensors)
     elif info.method != "dense" and (info.route_attention or info.route_ffn):
-        if not rpath.is_file():
-            raise _ckpt_error(f"{rpath} is missing", "re-run `wide export`")
-        try:
-            routers = load_file(str(rpath))
-        except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
-            raise _ckpt_error(f"{rpath} is unreadable ({e})") from None
+        routers = read_routers(path / ROUTERS_FILE)
     extra_eos = None
     gen = path / "generation_config.json"
     if gen.is_file():

@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from wide_cli.artifacts import CONFIG_JSON, WIDE_CONFIG
 from wide_cli.errors import CheckpointError, ConfigError, ModelSourceError
 
 #: base ``model_type`` -> the plugin's architecture name.
@@ -87,10 +88,10 @@ def serve_plan(export, *, mode: str = "routed") -> ServePlan:
     path = Path(export)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory", "pass an export directory written by `wide export`")
-    if not (path / "wide_config.json").is_file():
-        raise CheckpointError(f"{path} is not a wide export (no wide_config.json)", "export one with `wide export`")
-    wcfg = _read_json(path / "wide_config.json", "wide_config.json")
-    cfg = _read_json(path / "config.json", "config.json")
+    if not (path / WIDE_CONFIG).is_file():
+        raise CheckpointError(f"{path} is not a wide export (no {WIDE_CONFIG})", "export one with `wide export`")
+    wcfg = _read_json(path / WIDE_CONFIG, WIDE_CONFIG)
+    cfg = _read_json(path / CONFIG_JSON, CONFIG_JSON)
     export_format = wcfg.get("export_format", "wide")
     base_type = str(cfg.get("model_type", "")).removeprefix("wide_")
     arch = SERVED_ARCHITECTURES.get(base_type)
@@ -112,7 +113,7 @@ def serve_plan(export, *, mode: str = "routed") -> ServePlan:
             overrides = {"wide_routing": {**cfg["wide_routing"], "serve_mode": mode}}
     else:
         if "routing" not in wcfg or "layout" not in wcfg:
-            raise CheckpointError(f"{path / 'wide_config.json'} has no routing/layout", "re-run `wide export`")
+            raise CheckpointError(f"{path / WIDE_CONFIG} has no routing/layout", "re-run `wide export`")
         overrides = {
             "architectures": [arch],
             "wide_routing": {"routing": wcfg["routing"], "layout": wcfg["layout"], "serve_mode": mode},

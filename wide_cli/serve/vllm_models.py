@@ -60,12 +60,11 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.utils.torch_utils import direct_register_custom_op
 
+from wide_cli.artifacts import ROUTERS_FILE, is_router_tensor
 from wide_cli.runtime import cpu as cpu_ops
 from wide_cli.runtime import ops
 from wide_cli.runtime.backend import Counter
 from wide_cli.serve.config import SERVE_MODES, check_tensor_parallel
-
-ROUTERS_FILE = "routers.safetensors"
 
 #: multiply-adds of the routed projections: ``executed`` by the active path, ``dense`` for the
 #: same tokens without routing, per op kind ("attention" = O projection, "ffn" = gate/up/down).
@@ -476,10 +475,6 @@ def _load_routers(model: nn.Module, tensors: dict[str, torch.Tensor]) -> set[str
     return loaded
 
 
-def _is_router_tensor(name: str) -> bool:
-    return ".router_attention." in name or ".router_ffn." in name
-
-
 class _WideMixin:
     """Adds routing to a vLLM ``*ForCausalLM`` (listed first in the bases)."""
 
@@ -493,7 +488,7 @@ class _WideMixin:
 
         def backbone():
             for name, t in weights:
-                if _is_router_tensor(name):
+                if is_router_tensor(name):
                     routers[name] = t
                 else:
                     yield name, t

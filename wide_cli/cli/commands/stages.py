@@ -31,7 +31,7 @@ def _settings_for_run(run_dir: Path, recipe: str | None, flags: dict, model: str
     over = {o.FLAG_FIELDS[k]: v for k, v in flags.items() if k in o.FLAG_FIELDS}
     if model is not None:
         over[("model", "name")] = model
-    from wide_cli.pipeline.stages import effective_settings
+    from wide_cli.pipeline.common import effective_settings
 
     return run, effective_settings(apply_overrides(base, over))
 
@@ -63,10 +63,11 @@ def calibrate_cmd(
     from wide_cli.cli.logging_setup import quiet_libraries
     from wide_cli.cli.threads import apply_threads
     from wide_cli.pipeline import stages
+    from wide_cli.pipeline.common import effective_settings
     from wide_cli.pipeline.rundir import RunDir, run_lock
 
     flags = {k: v for k, v in locals().items() if k in o.FLAG_FIELDS}
-    settings = stages.effective_settings(o.resolve_settings(model, recipe, flags))
+    settings = effective_settings(o.resolve_settings(model, recipe, flags))
     apply_threads(threads)
     quiet_libraries()
     run = RunDir(run_dir)
@@ -137,7 +138,7 @@ def train_cmd(
         if stage == 1:
             res = stages.train(settings, run, resume=resume, progress=info.is_main)
         else:
-            from wide_cli.train.lora import train_stage2
+            from wide_cli.pipeline.stage2 import train_stage2
 
             res = train_stage2(settings, run, resume=resume, progress=info.is_main)
         distributed.barrier()

@@ -1,0 +1,263 @@
+"""The files wide writes and reads back: their names, the router tensor names, and the readers.
+
+One leaf module for the vocabulary of a run directory (DESIGN.md §2) and of an export, so that
+every loader (``export.loader``, the hf-format loader, the runtime's ``weights_from_export``,
+``wide inspect``, the pipeline's stages) reads the same files the same way. It imports nothing
+of wide at import time but ``errors`` and ``models.arch`` (``routing.config`` and ``models.loader`` inside the
+functions that need them), so any package may import it without a cycle.
+
+Run directory: ``run.json``, ``calibration/statistics.safetensors``,
+``stage1/routers.safetensors``, ``stage2/{adapter,routers}.safetensors`` (+ ``result.json``).
+Export: ``config.json``, ``model.safetensors`` (or shards + index), ``routers.safetensors``
+(``wide`` format), ``wide_config.json``, ``manifest.json``.
+
+Router tensors are named ``<prefix>layers.<i>.router_<module>.<rest>`` where ``module`` is one
+of ``models.arch.ROUTED_MODULES`` (e.g. ``model.layers.3.router_ffn.router.weight``,
+``model.layers.0.router_attention.keep``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from wide_cli.errors import CheckpointError
+from wide_cli.models.arch import ROUTED_MODULES
+
+if TYPE_CHECKING:
+    from wide_cli.routing.config import RoutingConfig
+
+# ----------------------------------------------------------------------------- file names
+WIDE_CONFIG = "wide_config.json"
+ROUTERS_FILE = "routers.safetensors"
+ADAPTER_FILE = "adapter.safetensors"
+STATS_FILE = "statistics.safetensors"
+MANIFEST = "manifest.json"
+CONFIG_JSON = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+RESULT_JSON = "result.json"
+
+
+
+# ----------------------------------------------------------------------------- router tensor names
+def is_router_tensor(name: str) -> bool:
+    """True for a router tensor (``....router_attention.*`` / ``....router_ffn.*``)."""
+    return any(f".router_{m}." in name for m in ROUTED_MODULES)
+
+
+def split_router_tensors(tensors: dict) -> tuple[dict, dict]:
+    """``(backbone, routers)``: ``tensors`` split by ``is_router_tensor``, order kept."""
+    backbone, routers = {}, {}
+    for k, v in tensors.items():
+        (routers if is_router_tensor(k) else backbone)[k] = v
+    return backbone, routers
+
+
+def backbone_state_dict(model) -> dict:
+    """The model's state dict without router tensors (HF names, as stored)."""
+    return split_router_tensors(model.state_dict())[0]
+
+
+def parse_router_name(name: str) -> tuple[int, str, str]:
+    """``(layer, module, rest)`` of a router tensor name:
+    ``model.layers.3.router_ffn.router.weight`` -> ``(3, "ffn", "router.weight")``.
+
+    Raises:
+        ValueError: ``name`` is not a router tensor name.
+    """
+    parts = name.split(".")
+    for j, part in enumerate(parts):
+        mod = part.removeprefix("router_")
+        if part.startswith("router_") and mod in ROUTED_MODULES and j >= 1 and parts[j - 1].isdigit():
+            return int(parts[j - 1]), mod, ".".join(parts[j + 1 :])
+    raise ValueError(f"{name!r} is not a router tensor name (<prefix>.<layer>.router_<module>.<rest>)")
+
+
+def static_keep_from_routers(routers: dict) -> dict:
+    """``{(layer, module): [G] bool tensor}`` from the ``keep`` tensors of a static-width model's
+    routers (every router tensor of static width is a keep mask)."""
+    return {parse_router_name(name)[:2]: t for name, t in routers.items()}
+
+
+# ----------------------------------------------------------------------------- reading
+def read_json(path: Path, fix: str) -> dict:
+    """The JSON object in ``path``.
+
+    Raises:
+        CheckpointError: missing or not JSON, naming the file, with ``fix``.
+    """
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing", fix) from None
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e})", fix) from None
+
+
+def read_routers(path: Path, fix: str = "re-run `wide export`") -> dict:
+    """The tensors of a ``routers.safetensors`` (of an export or a run's stage), on CPU.
+
+    Raises:
+        CheckpointError: missing or unreadable, naming the file, with ``fix``.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing", fix)
+    try:
+        return load_file(str(path))
+    except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
+        raise CheckpointError(f"{path} is unreadable ({e})", fix) from None
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in ``chunk``-byte pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- exports
+@dataclass
+class PrunedModel:
+    """A loaded export.
+
+    Attributes:
+        model: routed ``*ForCausalLM`` in eval mode, routing in deterministic ``argmax`` mode.
+        tokenizer: the export's tokenizer.
+        wide_config: the parsed ``wide_config.json``.
+        path: the export directory.
+    """
+
+    model: object
+    tokenizer: object
+    wide_config: dict
+    path: Path
+
+
+def is_export(path) -> bool:
+    """True when ``path`` is a directory holding ``wide_config.json``."""
+    p = Path(path)
+    return p.is_dir() and (p / WIDE_CONFIG).is_file()
+
+
+def read_wide_config(path: Path) -> dict:
+    """The export's ``wide_config.json`` as a dict.
+
+    Raises:
+        CheckpointError: missing (not a wide export) or not JSON.
+    """
+    p = Path(path) / WIDE_CONFIG
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{p} is missing: not a wide export", "export one with `wide export`") from None
+    except ValueError as e:
+        raise CheckpointError(f"{p} is not valid JSON ({e})", "re-run `wide export`") from None
+
+
+def check_manifest_owner(path: Path) -> None:
+    """Refuse a ``manifest.json`` copied from another export, naming the manifest (checked
+    before the files, whose hashes would otherwise point at an innocent file).
+
+    Raises:
+        CheckpointError: the manifest's ``export_id`` differs from ``wide_config.json``'s.
+    """
+    path = Path(path)
+    try:
+        mid = json.loads((path / MANIFEST).read_text()).get("export_id")
+        wid = json.loads((path / WIDE_CONFIG).read_text()).get("export_id")
+    except (OSError, ValueError, AttributeError):
+        return  # missing / unreadable: verify_manifest and read_wide_config name the file
+    if mid != wid:
+        raise CheckpointError(
+            f"{path / MANIFEST} belongs to another export ({mid} != {wid})", "re-run `wide export`"
+        )
+
+
+def unreadable_weights(path: Path) -> str | None:
+    """Name of the first ``*.safetensors`` file in ``path`` whose header cannot be read, or None."""
+    from safetensors import SafetensorError, safe_open
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except (SafetensorError, OSError):  # either way this is the file to name
+            return f.name
+    return None
+
+
+def routing_config_from(wide_config: dict) -> RoutingConfig:
+    """The ``RoutingConfig`` recorded in ``wide_config["routing"]`` (keys this wide does not
+    know, e.g. from a newer version, are ignored)."""
+    from wide_cli.routing.config import RoutingConfig
+
+    fields = RoutingConfig.__dataclass_fields__
+    return RoutingConfig(**{k: v for k, v in wide_config["routing"].items() if k in fields})
+
+
+def verify_manifest(root: Path) -> dict:
+    """Check every file listed in ``manifest.json`` (size, then sha256) and that no listed file is
+    missing.
+
+    Raises:
+        CheckpointError: naming the first missing, truncated or corrupt file, or a missing or
+            unreadable manifest (an incomplete export).
+    """
+    root = Path(root)
+    mpath = root / MANIFEST
+    if not root.is_dir():
+        raise CheckpointError(f"export directory {str(root)!r} does not exist", "check the path")
+    if not mpath.is_file():
+        raise CheckpointError(
+            f"{mpath} is missing: {str(root)!r} is not a complete wide export",
+            "re-run `wide export` (an interrupted export leaves no manifest)",
+        )
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{mpath} is corrupt ({e})", "re-run `wide export`") from None
+    for rel, info in files.items():
+        p = root / rel
+        if not p.is_file():
+            raise CheckpointError(f"{p} is listed in the manifest but missing", "re-run `wide export`")
+        size = p.stat().st_size
+        if size != info["size"]:
+            raise CheckpointError(
+                f"{p} has {size} bytes, the manifest says {info['size']} (truncated or replaced)",
+                "re-run `wide export`",
+            )
+        if sha256_file(p) != info["sha256"]:
+            raise CheckpointError(f"{p} fails its sha256 check (corrupt or modified)", "re-run `wide export`")
+    return manifest
+
+
+def open_export(path, *, verify: bool = True):
+    """Check an export (manifest owner and hashes when ``verify``) and read its
+    ``wide_config.json`` and tokenizer. Returns ``(path, wide_config, tokenizer)``.
+
+    Raises:
+        CheckpointError: naming the missing, corrupt or foreign file.
+    """
+    from wide_cli.models.loader import load_tokenizer
+
+    path = Path(path)
+    if verify:
+        check_manifest_owner(path)
+        verify_manifest(path)
+    wcfg = read_wide_config(path)
+    try:
+        tokenizer = load_tokenizer(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot load the tokenizer of {path}: {e}", "re-run `wide export`") from None
+    return path, wcfg, tokenizer

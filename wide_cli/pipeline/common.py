@@ -1,0 +1,89 @@
+"""What every pipeline stage shares: the settings as they will run, the checked backbone, the
+packed training data of a run, and the identity a stage's checkpoint is tied to."""
+
+from __future__ import annotations
+
+import warnings
+
+from wide_cli.pipeline.rundir import RunDir, model_identity
+from wide_cli.pipeline.settings import Settings
+
+
+def effective_settings(settings: Settings) -> Settings:
+    """Settings as they will run: fp16 on CPU becomes fp32 with one warning (public case B12)."""
+    if settings.model.dtype in ("fp16", "float16") and not str(settings.model.device).startswith("cuda"):
+        warnings.warn(
+            "fp16 is not supported on CPU; computing in fp32 instead (pass --dtype fp32 or bf16 on CPU, "
+            "or run on a GPU for fp16)",
+            UserWarning,
+            stacklevel=2,
+        )
+        settings = settings.replace("model", dtype="fp32")
+    if settings.train.dtype == "fp16" and not str(settings.model.device).startswith("cuda"):
+        warnings.warn("fp16 training autocast needs CUDA; training in fp32 on CPU (use --train-dtype bf16)",
+                      UserWarning, stacklevel=2)
+        settings = settings.replace("train", dtype="fp32")
+    return settings
+
+
+def load_backbone(settings: Settings):
+    """Load the dense model of ``settings.model`` (LoadedModel) and check the settings against
+    it before any work is done: group sizes must divide H and F, and the training and
+    perplexity sequence lengths must fit in the model's context (the rule of ``wide eval``).
+
+    Raises:
+        ModelSourceError: unknown/missing model, unsupported architecture.
+        ConfigError: a group size that does not fit the model; a sequence length longer than
+            the model's context length, naming both numbers.
+    """
+    from wide_cli.models.arch import check_context, context_length, model_shape
+    from wide_cli.models.loader import load_model, resolve_dtype
+    from wide_cli.routing.config import resolve_groups
+
+    dtype = resolve_dtype(settings.model.dtype, settings.model.device)
+    loaded = load_model(settings.model.name, dtype=dtype, device=settings.model.device)
+    if settings.routing.method != "static-depth":  # removes whole layers: no groups
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            resolve_groups(settings.routing, model_shape(loaded.model.config))
+    if settings.routing.method not in ("static-depth",):
+        settings.routing.check_reachable(model_shape(loaded.model.config), settings.train.seq_len)
+    max_len = context_length(loaded.model.config)
+    check_context(settings.train.seq_len, max_len, f"seq-len {settings.train.seq_len}",
+                  f"pass --seq-len {max_len} or less")
+    if settings.eval.seq_len:
+        check_context(settings.eval.seq_len, max_len, f"eval-seq-len {settings.eval.seq_len}",
+                      f"pass --eval-seq-len {max_len} or less")
+    return loaded
+
+
+def stage_identity(settings: Settings, loaded, *, stage: str) -> dict:
+    """What a stage's checkpoint (``train_stage``'s ``identity``) is tied to: the model, the
+    routing and training maths, the data and the router init (plus the LoRA settings for
+    ``stage2``); resuming with a different identity is refused."""
+    ident = {
+        "model": model_identity(loaded),
+        "routing": settings.routing.to_dict(),
+        "train": settings.train.math_dict(),
+        "data": settings.data.train,
+        "router_init": settings.run.router_init,
+    }
+    if stage == "stage2":
+        ident["stage2"] = {**settings.stage2.__dict__, "target_modules": list(settings.stage2.target_modules)}
+    return ident
+
+
+def packed_data(settings: Settings, tokenizer, run: RunDir):
+    """The run's packed training data (``PackedData``: ``train``/``heldout`` ``[N, seq_len]``
+    int64), built once and cached in ``<run>/calibration/data``."""
+    from wide_cli.data.packing import load_or_build
+
+    return load_or_build(
+        settings.data.train,
+        tokenizer,
+        settings.train.seq_len,
+        cache_dir=run.calibration / "data",
+        heldout_fraction=settings.data.heldout_fraction,
+        max_tokens=settings.data.max_train_tokens,
+        seed=settings.train.seed if settings.data.shuffle_documents else None,
+    )
