@@ -22,17 +22,16 @@ import torch.nn.functional as F
 from wide_cli.errors import ConfigError, DataError
 from wide_cli.eval import progress
 from wide_cli.eval.scoring import (
-    SparsityMeter,
     check_ids,
     forward_logits,
     loglikelihoods,
-    measure_sparsity,
     model_device,
     model_vocab_size,
     pad_id_for,
     prefix_token_id,
     tok_encode,
 )
+from wide_cli.routing.measure import SparsityMeter, count_sparsity
 
 TOKEN_UNIT = "token-level perplexity"
 WORD_UNIT = "word-level perplexity (lm-eval wikitext)"
@@ -132,7 +131,7 @@ def token_perplexity(
     device = device or model_device(model)
     nll_sum, scored = 0.0, 0
     meter = meter if meter is not None else SparsityMeter()
-    with measure_sparsity(model, meter), progress.tracker(len(plan) * seq_len) as bar:
+    with count_sparsity(model, meter), progress.tracker(len(plan) * seq_len) as bar:
         for b0 in range(0, len(plan), batch_size):
             chunk = plan[b0:b0 + batch_size]
             bar.advance(len(chunk) * seq_len)
@@ -235,7 +234,7 @@ def rolling_perplexity(
             requests.append(w)
             owner.append(d)
     meter = meter if meter is not None else SparsityMeter()
-    with measure_sparsity(model, meter):
+    with count_sparsity(model, meter):
         scored = loglikelihoods(model, requests, max_length=max_length, batch_size=batch_size,
                                 pad_id=pad_id_for(tokenizer, model_vocab_size(model)), device=device)
     meter.tokens_measured += sum(len((c + t)[-(max_length + 1):][:-1]) for c, t in requests)

@@ -187,10 +187,10 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     columns yet; ``build_report`` adds them)."""
     from wide_cli.cost import decode_speedup_bound, flops_report
     from wide_cli.eval import progress
-    from wide_cli.eval.scoring import SparsityMeter
     from wide_cli.eval.wikitext import evaluate_wikitext
     from wide_cli.eval.zeroshot import evaluate_task
     from wide_cli.models.arch import model_shape
+    from wide_cli.routing.measure import SparsityMeter
 
     model, tok = target.model, target.tokenizer
     seq_len = resolve_seq_len(plan, model, tok)

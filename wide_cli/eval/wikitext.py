@@ -190,8 +190,8 @@ def evaluate_wikitext(
     import torch
 
     from wide_cli.eval.perplexity import rolling_perplexity, token_perplexity
-    from wide_cli.eval.scoring import SparsityMeter
     from wide_cli.eval.tasks import check_limit
+    from wide_cli.routing.measure import SparsityMeter
 
     check_limit(limit)
     bad = [p for p in protocols if p not in PROTOCOLS]

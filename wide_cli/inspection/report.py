@@ -115,22 +115,13 @@ def measure_on_text(model, tokenizer, text: str, *, seq_len: int = 256, max_toke
     Raises:
         DataError: a text with fewer than 2 tokens.
     """
-    import torch
-
     from wide_cli.errors import DataError
+    from wide_cli.routing.measure import measure_sparsity
 
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0][:max_tokens]
     if ids.numel() < 2:
         raise DataError(f"the text has {ids.numel()} tokens; need at least 2 to measure sparsity")
-    state = model.wide_routing
-    counter = state.start_counting()
-    try:
-        with torch.no_grad():
-            for i in range(0, ids.numel(), seq_len):
-                model(input_ids=ids[i : i + seq_len].unsqueeze(0))
-    finally:
-        state.stop_counting()
-    return {**counter.summary(), "tokens": int(ids.numel())}
+    return measure_sparsity(model, (ids[i : i + seq_len].unsqueeze(0) for i in range(0, ids.numel(), seq_len)))
 
 
 def static_sparsity(wc: dict) -> dict:
