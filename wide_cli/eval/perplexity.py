@@ -1,6 +1,7 @@
 """Perplexity: token-level (pruning papers) and rolling word/byte perplexity (lm-eval).
 
-Two protocols, two units; every result names its unit and protocol (public cases B18, B19):
+Two protocols, two units; every result names its unit and protocol (numbers
+of different protocols are not comparable):
 
 - ``token_perplexity``: exp(mean NLL per token) over windows of one token stream, the number
   pruning papers print (SparseGPT/Wanda: the WikiText-2 test rows joined with ``"\\n\\n"``,
@@ -78,7 +79,7 @@ def token_windows(n: int, seq_len: int, stride: int | None) -> list[tuple[int, i
 
 
 def protocol_string(seq_len: int, stride: int | None, n: int) -> str:
-    """Human-readable window protocol; it changes whenever seq_len or stride changes (B19)."""
+    """Human-readable window protocol; it changes whenever seq_len or stride changes."""
     if stride is None or stride == seq_len:
         k = n // seq_len
         return (f"non-overlapping windows of {seq_len} tokens ({k} windows; the first token of each "

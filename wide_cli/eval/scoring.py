@@ -12,7 +12,7 @@ to 1e-6 in fp32):
   and the last ``len(continuation)`` positions are scored (``HFLM._loglikelihood_tokens``).
 
 Unlike the harness we right-pad with an explicit ``attention_mask``, so routed models exclude
-padding from their sparsity statistics (public case B09); with right padding a causal model's
+padding from their sparsity statistics; with right padding a causal model's
 real-token logits do not depend on the padding.
 """
 
@@ -115,7 +115,8 @@ def model_vocab_size(model) -> int:
 
 
 def check_ids(ids: torch.Tensor, vocab_size: int) -> None:
-    """Raise DataError when a token id has no embedding row (public case B23)."""
+    """Raise DataError when a token id has no embedding row (an index error deep in the
+    model otherwise)."""
     if ids.numel() == 0:
         return
     hi, lo = int(ids.max()), int(ids.min())
@@ -127,7 +128,8 @@ def check_ids(ids: torch.Tensor, vocab_size: int) -> None:
 
 
 def pad_id_for(tokenizer, vocab_size: int) -> int:
-    """A pad id that adds no new token: the tokenizer's pad, else EOS, else 0 (B23).
+    """A pad id that adds no new token: the tokenizer's pad, else EOS, else 0 (adding a pad
+    token would need an embedding row the model does not have).
 
     Padded positions are masked out and never scored, so the id only has to be a valid row.
     """

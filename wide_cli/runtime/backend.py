@@ -48,16 +48,16 @@ class RouterWeights:
 class LayerWeights:
     """One decoder layer in Hugging Face layout (``Linear.weight`` is ``[out, in]``).
 
-    Sizes are read from the tensors, never from the model config (B05): a layer may have fewer
+    Sizes are read from the tensors, never from the model config: a layer may have fewer
     query heads, KV heads or channels than its neighbours.
 
     Attributes:
         index: layer number.
         wq ``[H*d, D]``, wk/wv ``[H_kv*d, D]``, wo ``[D, H*d]``; bq/bk/bv/bo biases or None
-            (Qwen2 has q/k/v biases, B15).
+            (Qwen2 has q/k/v biases).
         w_gate, w_up ``[F, D]``, w_down ``[D, F]``.
         ln_attn, ln_ffn ``[D]``: input / post-attention RMSNorm weights.
-        q_norm, k_norm ``[d]`` or None: Qwen3 per-head RMSNorms (B16).
+        q_norm, k_norm ``[d]`` or None: Qwen3 per-head RMSNorms.
         head_dim: d. num_heads, num_kv_heads, intermediate_size: from the weight shapes.
         attn_group_size, ffn_group_size: heads / channels per routed group of this layer.
         router_attention, router_ffn: learned routers, or None.
@@ -119,7 +119,7 @@ class ModelWeights:
         embed ``[V, D]``; lm_head ``[V, D]`` (the same tensor when tied); final_norm ``[D]``.
         layers: one ``LayerWeights`` per decoder layer.
         rms_eps: RMSNorm epsilon. inv_freq ``[d/2]`` fp32 and rope_scale: RoPE tables computed
-            by transformers' ``ROPE_INIT_FUNCTIONS`` (B26).
+            by transformers' ``ROPE_INIT_FUNCTIONS`` (so scaled RoPE such as ``llama3`` matches).
         eos_token_ids: ids that end generation.
         tied: lm_head is embed.
         max_positions: the model's context length (config ``max_position_embeddings``), None
@@ -191,7 +191,7 @@ class Backend(Protocol):
             x: ``[M, D]`` normed hidden states. mask: ``[M, G_a]`` bool or None.
         Returns:
             ``q [M, H*d]`` (exact zeros on skipped head groups, bias included),
-            ``k, v [M, H_kv*d]`` (dense: every token, B06).
+            ``k, v [M, H_kv*d]`` (dense: every token, since later tokens attend to them whatever this one skipped).
         """
         ...
 
@@ -259,7 +259,8 @@ def get_backend(name: str, device: str | torch.device | None = None) -> Backend:
 
 
 # ----------------------------------------------------------------------------------------------
-# reading a checkpoint into ModelWeights (Hugging Face tensor names; strict: B14, B30)
+# reading a checkpoint into ModelWeights (Hugging Face tensor names; strict: a missing or extra
+# tensor is an error, never a silently random or dropped weight)
 
 
 
@@ -323,7 +324,7 @@ class _Pool:
 
 def rope_tables(config, head_dim: int) -> tuple[torch.Tensor, float]:
     """``(inv_freq [d/2] fp32, attention_scaling)`` exactly as transformers computes them, incl.
-    ``rope_scaling`` types such as ``llama3`` (B26), via ``ROPE_INIT_FUNCTIONS``.
+    ``rope_scaling`` types such as ``llama3``, via ``ROPE_INIT_FUNCTIONS``.
 
     Raises:
         ConfigError: RoPE types whose frequencies change with the sequence length (``dynamic``,
@@ -377,13 +378,13 @@ def weights_from_tensors(
 ) -> ModelWeights:
     """Arrange Hugging Face-named tensors into ``ModelWeights``.
 
-    Per-layer sizes come from the weight shapes (B05); ``config`` gives only the layer count,
+    Per-layer sizes come from the weight shapes (layers may differ); ``config`` gives only the layer count,
     ``head_dim``, norm epsilon, RoPE, sliding windows and the tie flag.
 
     Raises:
         CheckpointError: missing tensors (all listed), unexpected tensors (unless
             ``allow_extra``), shapes that do not fit together, an untied model without
-            ``lm_head.weight`` (B14), routers that do not match the layer widths.
+            ``lm_head.weight`` (it would otherwise be random), routers that do not match the layer widths.
     """
     from wide_cli.models.arch import check_supported, context_length
 
@@ -596,7 +597,7 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
 
     Raises:
         CheckpointError: see ``verify_manifest``, ``read_safetensors``, ``weights_from_tensors``;
-            also a missing ``routers.safetensors`` for a routed export (B30), an int8 tensor
+            also a missing ``routers.safetensors`` for a routed export (it would otherwise run unrouted), an int8 tensor
             without (or with a mismatched) scale tensor.
     """
     import json
