@@ -129,11 +129,12 @@ def train_cmd(
     run, settings = _settings_for_run(run_dir, recipe, flags)
     quiet_libraries()
     from wide_cli.cli.threads import apply_threads
+    from wide_cli.pipeline.rundir import rank0_lock
     from wide_cli.train import distributed
 
     apply_threads(threads)
     info = distributed.init(settings.model.device)  # under torchrun: every rank trains, rank 0 writes
-    with distributed.rank0_lock(run):
+    with rank0_lock(run):
         if stage == 1:
             res = stages.train(settings, run, resume=resume, progress=info.is_main)
         else:
