@@ -220,7 +220,7 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     if wcfg.get("static") and wcfg.get("export_format") == "hf":
         # a physically narrowed static-width export makes no routing decisions to count: its
         # sparsity is its kept groups (input independent, exact)
-        from wide_cli.inspection.report import static_sparsity
+        from wide_cli.routing.measure import static_sparsity
 
         layout = wcfg.get("layout") or getattr(model.config, "wide_routing", {}).get("layout")
         sparsity = static_sparsity({**wcfg, "layout": layout})

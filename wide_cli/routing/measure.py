@@ -2,6 +2,8 @@
 training (the skip-offset calibration), the export (held-out sparsity), ``wide eval`` and
 ``wide inspect``. The runtime accumulates its own decisions on the device
 (``runtime.engine.SparsityStats``) and summarises them with the same ``SparsityCounter`` maths.
+A physically narrowed static-width export makes no decisions: ``static_sparsity`` gives its
+sparsity from the kept groups, in the same summary shape.
 
 Not copied into hf exports (unlike ``state.py``'s ``SparsityCounter``, which the generated
 modeling code carries verbatim).
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from wide_cli.routing.state import SparsityCounter
+from wide_cli.routing.state import MODULES, SparsityCounter
 
 logger = logging.getLogger("wide.eval")
 
@@ -134,3 +136,13 @@ def measure_sparsity(model, batches: Iterable[torch.Tensor]) -> dict:
 def batches_of(sequences: torch.Tensor, batch_size: int) -> Iterable[torch.Tensor]:
     """``sequences [N, T]`` in consecutive batches of at most ``batch_size`` rows."""
     return (sequences[i : i + batch_size] for i in range(0, len(sequences), batch_size))
+
+
+def static_sparsity(wc: dict) -> dict:
+    """Sparsity of a physically narrowed static-width export, from its kept groups (input
+    independent): per layer ``1 - kept / G``; the same summary shape as a measurement."""
+    lay = wc.get("layout") or {}
+    G = {"attention": lay["attn_groups"], "ffn": lay["ffn_groups"]}
+    per_layer = {m: [1.0 - len(k) / G[m] for k in wc["static"]["kept_groups"][m]] for m in MODULES}
+    mods = {m: sum(v) / len(v) for m, v in per_layer.items()}
+    return {**mods, "total": sum(mods.values()) / len(mods), "per_layer": per_layer, "data": "kept groups"}
