@@ -41,6 +41,8 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 RESULT_JSON = "result.json"
 
+_CORRUPT = "the export is corrupt or was edited; re-run `wide export`"
+
 
 
 # ----------------------------------------------------------------------------- router tensor names
@@ -114,6 +116,35 @@ def read_routers(path: Path, fix: str = "re-run `wide export`") -> dict:
         return load_file(str(path))
     except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
         raise CheckpointError(f"{path} is unreadable ({e})", fix) from None
+
+
+def read_backbone(path) -> dict:
+    """The backbone tensors of an export: ``model.safetensors`` or the shards listed in
+    ``model.safetensors.index.json`` (``{HF name: tensor}``, CPU, as stored; an ``hf`` export's
+    router tensors are among them: ``split_router_tensors``).
+
+    Raises:
+        CheckpointError: no weights file, an unreadable file, a shard named in the index missing.
+    """
+    from safetensors.torch import load_file
+
+    from wide_cli.models.consistency import safetensors_files
+
+    try:
+        files = safetensors_files(path)
+    except ValueError as e:
+        raise CheckpointError(f"{path}/{WEIGHTS_INDEX} is corrupt ({e})", _CORRUPT) from None
+    if files is None:
+        raise CheckpointError(f"{path} has no {WEIGHTS_FILE} (or index)", "is this a wide export directory?")
+    out = {}
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"weight shard {f} is missing", _CORRUPT)
+        try:
+            out.update(load_file(str(f)))
+        except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
+            raise CheckpointError(f"{f} is unreadable ({e})", _CORRUPT) from None
+    return out
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

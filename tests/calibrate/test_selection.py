@@ -52,3 +52,19 @@ def test_router_init_bias_one_group_and_clamped_rate():
     b = router_init_bias(torch.tensor([[3.0], [0.5]]), 1.0)  # clamped to 1 - 1e-3
     d = math.log(1e-3 / (1 - 1e-3))
     assert torch.allclose(b, torch.tensor([[d / 2, -d / 2]] * 2), atol=1e-5)
+
+
+def test_pipeline_glue_uses_each_modules_target_and_keeps_unrouted_modules_whole():
+    from wide_cli.calibrate.statistics import GroupStatistics
+    from wide_cli.pipeline.routers import static_keep_from_statistics
+    from wide_cli.pipeline.settings import Settings
+    from wide_cli.routing.config import GroupLayout
+
+    g = torch.Generator().manual_seed(0)
+    stats = GroupStatistics(torch.rand(3, 8, generator=g) + 0.1, torch.rand(3, 64, generator=g) + 0.1, 10)
+    layout = GroupLayout(attn_group_size=2, ffn_group_size=8, attn_groups=4, ffn_groups=8, kv_aligned=True)
+    s = Settings().replace("routing", method="static-width", sparsity=0.5, route_attention=False)
+    keep = static_keep_from_statistics(stats, s, layout)
+    assert all(keep[(i, "attention")].all() for i in range(3))
+    ffn = torch.stack([keep[(i, "ffn")] for i in range(3)])
+    assert torch.equal(ffn, static_width_keep(stats.group_importance("ffn", 8), 0.5))

@@ -12,9 +12,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from wide_cli.cli import options as o
 from wide_cli.cli.app import app, main
 from wide_cli.cli.commands.prune import prune_cmd
+from wide_cli.cli.options import FLAG_FIELDS, resolve_settings
 
 TINY = ["--steps", "4", "--seq-len", "32", "--batch-size", "2", "--attn-group-size", "2",
         "--ffn-group-size", "32", "--eval-max-tokens", "2048"]
@@ -137,14 +137,14 @@ SAMPLE = {
 
 def test_b25_every_prune_option_reaches_the_settings():
     params = set(inspect.signature(prune_cmd).parameters)
-    assert params - NOT_SETTINGS == set(o.FLAG_FIELDS), "a prune option is not mapped to a setting"
-    assert set(SAMPLE) == set(o.FLAG_FIELDS)
-    base = o.resolve_settings("tiny-llama", None, {})
+    assert params - NOT_SETTINGS == set(FLAG_FIELDS), "a prune option is not mapped to a setting"
+    assert set(SAMPLE) == set(FLAG_FIELDS)
+    base = resolve_settings("tiny-llama", None, {})
     for flag, value in SAMPLE.items():
         extra = {"sparsity_ffn": 0.2} if flag == "sparsity_attention" else {}
         extra = {"sparsity_attention": 0.4} if flag == "sparsity_ffn" else extra
-        s = o.resolve_settings("tiny-llama", None, {flag: value, **extra})
-        section, field = o.FLAG_FIELDS[flag]
+        s = resolve_settings("tiny-llama", None, {flag: value, **extra})
+        section, field = FLAG_FIELDS[flag]
         assert getattr(getattr(s, section), field) == value, flag
         assert getattr(getattr(base, section), field) != value, f"{flag}: sample equals the default"
 

@@ -11,8 +11,9 @@ import torch
 
 from wide_cli.errors import ConfigError, DataError
 from wide_cli.eval import tasks as T
-from wide_cli.eval.scoring import SparsityMeter, encode_pair, loglikelihoods, measure_sparsity
+from wide_cli.eval.scoring import encode_pair, loglikelihoods
 from wide_cli.eval.zeroshot import evaluate_task, mc_metrics, mean_stderr, score_docs
+from wide_cli.routing.measure import SparsityMeter, count_sparsity
 
 
 def _doc(ctx, choices, gold):
@@ -80,7 +81,7 @@ def test_padding_excluded_from_sparsity(routed, tok):
     meters = {}
     for bs in (1, 4):
         meters[bs] = SparsityMeter()
-        with measure_sparsity(routed, meters[bs]):
+        with count_sparsity(routed, meters[bs]):
             out = loglikelihoods(routed, reqs, max_length=256, batch_size=bs)
         meters[bs].tokens_measured = 0
         if bs == 1:

@@ -14,10 +14,11 @@ from wide_cli.errors import CheckpointError, ConfigError
 from wide_cli.export import export_model
 from wide_cli.inspection import inspect_export
 from wide_cli.inspection.render import SHADES, _shade, heatmap, render
-from wide_cli.inspection.report import PromptTrace, static_sparsity
+from wide_cli.inspection.report import PromptTrace
 from wide_cli.models.tiny import char_tokenizer, tiny_model
 from wide_cli.routing import RoutingConfig, attach_routers, router_state_dict
 from wide_cli.routing.gumbel import argmax_execute
+from wide_cli.routing.measure import static_sparsity
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 12
 STORED = {"attention": 0.25, "ffn": 0.5, "total": 0.375, "tokens": 99, "data": "stored data",

@@ -135,8 +135,8 @@ def test_bench_weight_bytes_come_from_the_cost_model():
     from wide_cli.models.arch import model_shape
     from wide_cli.models.tiny import tiny_model
     from wide_cli.routing import RoutingConfig, attach_routers
-    from wide_cli.runtime.backend import weights_from_model
     from wide_cli.runtime.bench import decode_cost, weight_bytes
+    from wide_cli.runtime.checkpoint import weights_from_model
 
     model = tiny_model("llama")
     attach_routers(model, RoutingConfig(attn_group_size=2, ffn_group_size=32))

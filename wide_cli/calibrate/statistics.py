@@ -84,20 +84,16 @@ class GroupStatistics:
 
     def save(self, path: str | Path) -> None:
         """Write a safetensors file atomically (temp file in the same directory + rename)."""
-        from safetensors.torch import save
+        from wide_cli.atomic import atomic_save_safetensors
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {"attn_head_norm": self.attn_head_norm, "ffn_channel_norm": self.ffn_channel_norm}
         if self.attn_input_mean is not None and self.ffn_input_mean is not None:
             tensors.update(attn_input_mean=self.attn_input_mean, ffn_input_mean=self.ffn_input_mean)
-        data = save(
+        atomic_save_safetensors(
+            Path(path),
             {k: v.float().contiguous().cpu() for k, v in tensors.items()},
             metadata={"format": FORMAT, "version": FORMAT_VERSION, "tokens": str(int(self.tokens))},
         )
-        from wide_cli.atomic import atomic_write_bytes
-
-        atomic_write_bytes(path, data)
 
     @classmethod
     def load(cls, path: str | Path) -> GroupStatistics:

@@ -1,6 +1,7 @@
 """Perplexity: token-level (pruning papers) and rolling word/byte perplexity (lm-eval).
 
-Two protocols, two units; every result names its unit and protocol (public cases B18, B19):
+Two protocols, two units; every result names its unit and protocol (numbers
+of different protocols are not comparable):
 
 - ``token_perplexity``: exp(mean NLL per token) over windows of one token stream, the number
   pruning papers print (SparseGPT/Wanda: the WikiText-2 test rows joined with ``"\\n\\n"``,
@@ -22,17 +23,16 @@ import torch.nn.functional as F
 from wide_cli.errors import ConfigError, DataError
 from wide_cli.eval import progress
 from wide_cli.eval.scoring import (
-    SparsityMeter,
     check_ids,
     forward_logits,
     loglikelihoods,
-    measure_sparsity,
     model_device,
     model_vocab_size,
     pad_id_for,
     prefix_token_id,
     tok_encode,
 )
+from wide_cli.routing.measure import SparsityMeter, count_sparsity
 
 TOKEN_UNIT = "token-level perplexity"
 WORD_UNIT = "word-level perplexity (lm-eval wikitext)"
@@ -79,7 +79,7 @@ def token_windows(n: int, seq_len: int, stride: int | None) -> list[tuple[int, i
 
 
 def protocol_string(seq_len: int, stride: int | None, n: int) -> str:
-    """Human-readable window protocol; it changes whenever seq_len or stride changes (B19)."""
+    """Human-readable window protocol; it changes whenever seq_len or stride changes."""
     if stride is None or stride == seq_len:
         k = n // seq_len
         return (f"non-overlapping windows of {seq_len} tokens ({k} windows; the first token of each "
@@ -132,7 +132,7 @@ def token_perplexity(
     device = device or model_device(model)
     nll_sum, scored = 0.0, 0
     meter = meter if meter is not None else SparsityMeter()
-    with measure_sparsity(model, meter), progress.tracker(len(plan) * seq_len) as bar:
+    with count_sparsity(model, meter), progress.tracker(len(plan) * seq_len) as bar:
         for b0 in range(0, len(plan), batch_size):
             chunk = plan[b0:b0 + batch_size]
             bar.advance(len(chunk) * seq_len)
@@ -235,7 +235,7 @@ def rolling_perplexity(
             requests.append(w)
             owner.append(d)
     meter = meter if meter is not None else SparsityMeter()
-    with measure_sparsity(model, meter):
+    with count_sparsity(model, meter):
         scored = loglikelihoods(model, requests, max_length=max_length, batch_size=batch_size,
                                 pad_id=pad_id_for(tokenizer, model_vocab_size(model)), device=device)
     meter.tokens_measured += sum(len((c + t)[-(max_length + 1):][:-1]) for c, t in requests)

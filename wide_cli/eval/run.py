@@ -187,10 +187,10 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     columns yet; ``build_report`` adds them)."""
     from wide_cli.cost import decode_speedup_bound, flops_report
     from wide_cli.eval import progress
-    from wide_cli.eval.scoring import SparsityMeter
     from wide_cli.eval.wikitext import evaluate_wikitext
     from wide_cli.eval.zeroshot import evaluate_task
     from wide_cli.models.arch import model_shape
+    from wide_cli.routing.measure import SparsityMeter
 
     model, tok = target.model, target.tokenizer
     seq_len = resolve_seq_len(plan, model, tok)
@@ -220,7 +220,7 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     if wcfg.get("static") and wcfg.get("export_format") == "hf":
         # a physically narrowed static-width export makes no routing decisions to count: its
         # sparsity is its kept groups (input independent, exact)
-        from wide_cli.inspection.report import static_sparsity
+        from wide_cli.routing.measure import static_sparsity
 
         layout = wcfg.get("layout") or getattr(model.config, "wide_routing", {}).get("layout")
         sparsity = static_sparsity({**wcfg, "layout": layout})

@@ -12,15 +12,14 @@ to 1e-6 in fp32):
   and the last ``len(continuation)`` positions are scored (``HFLM._loglikelihood_tokens``).
 
 Unlike the harness we right-pad with an explicit ``attention_mask``, so routed models exclude
-padding from their sparsity statistics (public case B09); with right padding a causal model's
+padding from their sparsity statistics; with right padding a causal model's
 real-token logits do not depend on the padding.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -97,102 +96,9 @@ def resolve_max_length(model, tokenizer=None) -> int:
 # measured sparsity of routed models
 
 
-@dataclass
-class SparsityMeter:
-    """Measured routing sparsity over the forwards inside ``measure_sparsity``.
-
-    Attributes:
-        routed: False for a dense model (no ``wide_routing``); then ``summary`` is None.
-        skipped / decisions: ``{module: [per layer]}`` counts of (valid token, group) decisions.
-        tokens_measured: non-padding tokens that went through the model while measuring.
-    """
-
-    routed: bool = False
-    skipped: dict[str, list[float]] = field(default_factory=dict)
-    decisions: dict[str, list[float]] = field(default_factory=dict)
-    tokens_measured: int = 0
-
-    def add_counter(self, counter) -> None:
-        """Accumulate a ``wide_cli.routing.SparsityCounter``."""
-        self.routed = True
-        for m in counter.skipped:
-            s = self.skipped.setdefault(m, [0.0] * len(counter.skipped[m]))
-            d = self.decisions.setdefault(m, [0.0] * len(counter.decisions[m]))
-            for i, (a, b) in enumerate(zip(counter.skipped[m], counter.decisions[m])):
-                s[i] += a
-                d[i] += b
-
-    def merge(self, other: SparsityMeter) -> None:
-        """Add another meter's counts (e.g. per-task meters into a per-model one)."""
-        if not other.routed:
-            return
-        self.routed = True
-        self.tokens_measured += other.tokens_measured
-        for m in other.skipped:
-            s = self.skipped.setdefault(m, [0.0] * len(other.skipped[m]))
-            d = self.decisions.setdefault(m, [0.0] * len(other.decisions[m]))
-            for i, (a, b) in enumerate(zip(other.skipped[m], other.decisions[m])):
-                s[i] += a
-                d[i] += b
-
-    def summary(self) -> dict | None:
-        """``{attention, ffn, total, per_layer: {attention, ffn}, tokens_measured}`` or None (dense).
-
-        Same averaging as ``SparsityCounter.summary``: a module's sparsity is the mean over layers
-        of the per-layer skip fraction; ``total`` is the mean over the routed modules.
-        """
-        if not self.routed:
-            return None
-        per_layer = {
-            m: [(s / d if d > 0 else None) for s, d in zip(self.skipped[m], self.decisions[m])]
-            for m in self.skipped
-        }
-        mods = {}
-        for m in ("attention", "ffn"):
-            vals = [v for v in per_layer.get(m, []) if v is not None]
-            mods[m] = sum(vals) / len(vals) if vals else None
-        active = [v for v in mods.values() if v is not None]
-        return {
-            "attention": mods["attention"],
-            "ffn": mods["ffn"],
-            "total": sum(active) / len(active) if active else 0.0,
-            "per_layer": {m: per_layer.get(m, []) for m in ("attention", "ffn")},
-            "tokens_measured": self.tokens_measured,
-        }
-
-
 def routing_of(model):
     """The model's ``RoutingState`` or None for a dense model."""
     return getattr(model, "wide_routing", None)
-
-
-@contextlib.contextmanager
-def measure_sparsity(model, meter: SparsityMeter | None = None):
-    """Count routing decisions of every forward inside the block into a ``SparsityMeter``.
-
-    Padding is excluded because every forward we make passes ``attention_mask``. For a dense
-    model the meter stays ``routed=False``. A model left in ``gumbel`` (training) mode is switched
-    to deterministic ``argmax`` routing for the block, with a warning, and restored afterwards:
-    evaluation numbers must not depend on Gumbel noise.
-    """
-    meter = meter if meter is not None else SparsityMeter()
-    state = routing_of(model)
-    if state is None:
-        yield meter
-        return
-    if state.counter is not None:
-        raise RuntimeError("a sparsity counter is already running on this model")
-    prev_mode = state.mode
-    if prev_mode == "gumbel":
-        logger.warning("routing was in gumbel (training) mode; evaluating with argmax decisions")
-        state.set_mode("argmax")
-    counter = state.start_counting()
-    try:
-        yield meter
-    finally:
-        state.stop_counting()
-        state.set_mode(prev_mode)
-        meter.add_counter(counter)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,7 +115,8 @@ def model_vocab_size(model) -> int:
 
 
 def check_ids(ids: torch.Tensor, vocab_size: int) -> None:
-    """Raise DataError when a token id has no embedding row (public case B23)."""
+    """Raise DataError when a token id has no embedding row (an index error deep in the
+    model otherwise)."""
     if ids.numel() == 0:
         return
     hi, lo = int(ids.max()), int(ids.min())
@@ -221,7 +128,8 @@ def check_ids(ids: torch.Tensor, vocab_size: int) -> None:
 
 
 def pad_id_for(tokenizer, vocab_size: int) -> int:
-    """A pad id that adds no new token: the tokenizer's pad, else EOS, else 0 (B23).
+    """A pad id that adds no new token: the tokenizer's pad, else EOS, else 0 (adding a pad
+    token would need an embedding row the model does not have).
 
     Padded positions are masked out and never scored, so the id only has to be a valid row.
     """

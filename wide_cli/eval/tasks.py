@@ -5,7 +5,7 @@ record becomes a ``MCDoc`` (contexts, continuations, gold index), its metrics, a
 enters the summary average. Prompts follow the harness yamls (``lm_eval/tasks/...``), with the
 default ``target_delimiter`` " " between context and answer and no few-shot examples.
 
-Summary metric per task (public case B20; the same for dense and pruned rows):
+Summary metric per task (the same for dense and pruned rows, so their averages compare):
 ``acc_norm`` where the harness task defines it (arc_easy, arc_challenge, piqa, hellaswag,
 openbookqa), else ``acc`` (boolq, winogrande). See ``SUMMARY_METRIC``.
 
@@ -193,7 +193,7 @@ TASKS: dict[str, TaskSpec] = {
     )
 }
 
-#: The documented metric per task that enters the summary average (B20).
+#: The documented metric per task that enters the summary average.
 SUMMARY_METRIC: dict[str, str] = {name: t.summary_metric for name, t in TASKS.items()}
 
 #: Perplexity task names (handled by ``wide_cli.eval.wikitext`` / ``perplexity``).

@@ -35,7 +35,7 @@ _ALIASES: dict[str, bool] = {
     "wikitext2": False,
     "wikitext-2": False,
     "wikitext-2-raw": False,
-    "wikitext": True,  # lm-eval's task name; could also mean WikiText-103 to a reader (B18)
+    "wikitext": True,  # lm-eval's task name; could also mean WikiText-103 to a reader
 }
 _REFUSED = re.compile(r"^wikitext-?103|^wikitext-2-v1$")
 
@@ -45,7 +45,7 @@ def resolve_dataset(name: str) -> str:
 
     ``wikitext`` is resolved with an explicit log line; WikiText-103 and the tokenized
     ``wikitext-2-v1`` (with ``<unk>``) are refused: a different dataset gives perplexities that
-    look like model bugs (public case B18: 333 vs 83 windows).
+    look like model bugs (e.g. 333 vs 83 windows).
 
     Raises:
         DataError: an unknown or refused name, listing the accepted ones.
@@ -190,8 +190,8 @@ def evaluate_wikitext(
     import torch
 
     from wide_cli.eval.perplexity import rolling_perplexity, token_perplexity
-    from wide_cli.eval.scoring import SparsityMeter
     from wide_cli.eval.tasks import check_limit
+    from wide_cli.routing.measure import SparsityMeter
 
     check_limit(limit)
     bad = [p for p in protocols if p not in PROTOCOLS]

@@ -17,15 +17,14 @@ import math
 from pathlib import Path
 
 from wide_cli.eval.scoring import (
-    SparsityMeter,
     encode_pair,
     loglikelihoods,
-    measure_sparsity,
     model_vocab_size,
     pad_id_for,
     resolve_max_length,
 )
 from wide_cli.eval.tasks import TASKS, MCDoc, get_task, load_docs
+from wide_cli.routing.measure import SparsityMeter, count_sparsity
 
 
 def mean_stderr(values: list[float]) -> float | None:
@@ -67,7 +66,7 @@ def score_docs(
         for ctx, cont in zip(doc.contexts, doc.continuations):
             requests.append(encode_pair(tokenizer, ctx, cont))
             owner.append(d)
-    with measure_sparsity(model, meter) as m:
+    with count_sparsity(model, meter) as m:
         scored = loglikelihoods(model, requests, max_length=max_length, batch_size=batch_size,
                                 pad_id=pad_id_for(tokenizer, model_vocab_size(model)), device=device)
         m.tokens_measured += sum(min(len(c) + len(t) - 1, max_length) for c, t in requests)

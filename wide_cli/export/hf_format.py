@@ -133,7 +133,7 @@ def hf_config_dict(config, routing: dict, layout: dict, *, kept_heads=None, inte
 
 
 def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CPU, contiguous tensors with no two sharing storage (safetensors refuses aliases, B13)."""
+    """CPU, contiguous tensors with no two sharing storage (safetensors refuses aliases)."""
     seen, out = set(), {}
     for k, t in tensors.items():
         t = t.detach().to("cpu").contiguous()
@@ -180,7 +180,7 @@ def write_hf(model, tokenizer, dest: Path, *, export_id: str, max_shard_size: st
     base = model.config
     backbone = backbone_state_dict(model)
     if getattr(base, "tie_word_embeddings", False):
-        backbone.pop("lm_head.weight", None)  # transformers re-ties it from embed_tokens (B13, B14)
+        backbone.pop("lm_head.weight", None)  # transformers re-ties it from embed_tokens (tied embeddings)
     info: dict = {}
     kept_heads = inter = None
     if cfg.method == "static-width":

@@ -51,7 +51,7 @@ def load_pruned(
         verify: check ``manifest.json`` (sha256 + size of every file) first.
         allow_extra: tolerate unexpected tensors in the weights (warn instead of failing).
         smoke_check: after loading, require next-token entropy on a fixed prompt to be below
-            ln(vocab) - 0.01 (uniform logits mean weights were silently lost; public case B30).
+            ln(vocab) - 0.01 (uniform logits mean weights were silently lost).
         trust_remote_code: for an ``hf`` export, run its shipped Python files (see
             ``load_hf_export``); otherwise they are never executed.
 
@@ -128,7 +128,8 @@ def load_pruned(
 
 
 def _smoke_check(model, tokenizer, path) -> None:
-    """B30: uniform next-token logits on a fixed prompt mean the weights were silently lost."""
+    """Uniform next-token logits on a fixed prompt mean the weights were silently lost (a
+    loader that fills missing tensors with random or zero values would otherwise pass)."""
     h = next_token_entropy(model, tokenizer)
     if h >= math.log(model.config.vocab_size) - 0.01:
         raise CheckpointError(

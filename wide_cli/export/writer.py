@@ -43,7 +43,8 @@ class ExportResult:
 
 
 def check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
-    """Raise CheckpointError naming the first tensor with NaN/Inf (public case B11)."""
+    """Raise CheckpointError naming the first tensor with NaN/Inf (a diverged run must not
+    produce a deployable export)."""
     for name, t in tensors.items():
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise CheckpointError(

@@ -115,32 +115,13 @@ def measure_on_text(model, tokenizer, text: str, *, seq_len: int = 256, max_toke
     Raises:
         DataError: a text with fewer than 2 tokens.
     """
-    import torch
-
     from wide_cli.errors import DataError
+    from wide_cli.routing.measure import measure_sparsity
 
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0][:max_tokens]
     if ids.numel() < 2:
         raise DataError(f"the text has {ids.numel()} tokens; need at least 2 to measure sparsity")
-    state = model.wide_routing
-    counter = state.start_counting()
-    try:
-        with torch.no_grad():
-            for i in range(0, ids.numel(), seq_len):
-                model(input_ids=ids[i : i + seq_len].unsqueeze(0))
-    finally:
-        state.stop_counting()
-    return {**counter.summary(), "tokens": int(ids.numel())}
-
-
-def static_sparsity(wc: dict) -> dict:
-    """Sparsity of a physically narrowed static-width export, from its kept groups (input
-    independent): per layer ``1 - kept / G``; the same summary shape as a measurement."""
-    lay = wc.get("layout") or {}
-    G = {"attention": lay["attn_groups"], "ffn": lay["ffn_groups"]}
-    per_layer = {m: [1.0 - len(k) / G[m] for k in wc["static"]["kept_groups"][m]] for m in MODULES}
-    mods = {m: sum(v) / len(v) for m, v in per_layer.items()}
-    return {**mods, "total": sum(mods.values()) / len(mods), "per_layer": per_layer, "data": "kept groups"}
+    return measure_sparsity(model, (ids[i : i + seq_len].unsqueeze(0) for i in range(0, ids.numel(), seq_len)))
 
 
 @dataclass
@@ -293,6 +274,8 @@ def inspect_export(
     if text is not None or prompt is not None:
         pm = load_export(path, verify=False, trust_remote_code=trust_remote_code)  # verified above
         if text is not None and wc.get("static"):  # no routers: the kept groups are the sparsity
+            from wide_cli.routing.measure import static_sparsity
+
             sparsity = static_sparsity(wc)
             source = "fixed by the kept groups of this static-width export (the same for any text)"
         elif text is not None:

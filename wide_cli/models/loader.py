@@ -114,7 +114,8 @@ def resolve_dtype(name: str | None, device: str | torch.device = "cpu") -> torch
     Args:
         name: ``fp32``/``float32``, ``bf16``/``bfloat16``, ``fp16``/``float16``; None -> fp32.
         device: where the model will run. fp16 matmuls on CPU are slow and overflow-prone, so
-            ``fp16`` on a CPU device is upcast to fp32 with one warning (public case B12).
+            ``fp16`` on a CPU device is upcast to fp32 with one warning (CPU fp16
+            matmuls are missing or very slow in PyTorch).
 
     Raises:
         ConfigError: an unknown name (the message lists the choices).
@@ -384,7 +385,8 @@ def load_tokenizer(path: str | Path):
 
 
 def _ensure_pad(tokenizer) -> None:
-    """Give the tokenizer a pad token without adding an id (public case B23)."""
+    """Give the tokenizer a pad token without adding an id (a new id would have no
+    embedding row)."""
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelSourceError("the tokenizer has neither a pad nor an EOS token",

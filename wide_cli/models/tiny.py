@@ -19,7 +19,7 @@ def char_tokenizer(*, with_pad: bool = False, vocab_size: int = 128):
     """A character-level ``PreTrainedTokenizerFast`` built offline (no hub).
 
     Args:
-        with_pad: register ``<pad>`` as the pad token; False mimics tokenizers without one (B23).
+        with_pad: register ``<pad>`` as the pad token; False mimics tokenizers without one (Llama).
         vocab_size: must be >= 105 (specials + printable ASCII).
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -73,7 +73,7 @@ def tiny_model(kind: str = "llama", seed: int = 0, dtype=torch.float32, **overri
     cfg = tiny_config(kind, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    # Non-zero biases so that a dropped bias shows up (B15).
+    # Non-zero biases so that a dropped bias shows up.
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith(".bias"):

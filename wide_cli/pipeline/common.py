@@ -10,7 +10,8 @@ from wide_cli.pipeline.settings import Settings
 
 
 def effective_settings(settings: Settings) -> Settings:
-    """Settings as they will run: fp16 on CPU becomes fp32 with one warning (public case B12)."""
+    """Settings as they will run: fp16 on CPU becomes fp32 with one warning (CPU
+    fp16 matmuls are missing or very slow in PyTorch)."""
     if settings.model.dtype in ("fp16", "float16") and not str(settings.model.device).startswith("cuda"):
         warnings.warn(
             "fp16 is not supported on CPU; computing in fp32 instead (pass --dtype fp32 or bf16 on CPU, "

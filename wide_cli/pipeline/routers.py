@@ -136,6 +136,7 @@ def calibrate_skip_offset(model, sequences: torch.Tensor, cost, target_skip: flo
     Returns:
         the offset added to the skip logits (0.0 when already within ``tol``).
     """
+    from wide_cli.routing.measure import batches_of, measure_sparsity
     from wide_cli.routing.model import decoder_layers
     from wide_cli.routing.router import Router
 
@@ -143,7 +144,6 @@ def calibrate_skip_offset(model, sequences: torch.Tensor, cost, target_skip: flo
                                                              getattr(layer, "router_ffn", None))
                if isinstance(r, Router)]
     state = model.wide_routing
-    device = next(model.parameters()).device
     was_training, mode = model.training, state.mode
     model.eval()
     state.set_mode("argmax")
@@ -153,13 +153,7 @@ def calibrate_skip_offset(model, sequences: torch.Tensor, cost, target_skip: flo
             r.router.bias[1::2] += delta  # logits are [.., G, 2]: odd entries are the skip logits
 
     def measured() -> float:
-        counter = state.start_counting()
-        try:
-            for i in range(0, len(sequences), batch_size):
-                model(input_ids=sequences[i : i + batch_size].to(device), use_cache=False)
-        finally:
-            state.stop_counting()
-        return cost.skip_from_summary(counter.summary())
+        return cost.skip_from_summary(measure_sparsity(model, batches_of(sequences, batch_size)))
 
     applied = 0.0
     try:

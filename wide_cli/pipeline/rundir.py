@@ -111,6 +111,36 @@ def run_lock(run: RunDir):
             path.unlink()
 
 
+@contextlib.contextmanager
+def rank0_lock(run):
+    """Hold the run directory's lock on rank 0 for the block (every process runs it).
+
+    Only rank 0 writes, so only it locks; when it cannot (another job holds the run), every
+    rank raises the same CheckpointError instead of the others waiting in a collective.
+    """
+    import torch
+
+    from wide_cli.train.distributed import dist_info
+
+    info = dist_info()
+    if not info.enabled:
+        with run_lock(run):
+            yield
+        return
+    with contextlib.ExitStack() as stack:
+        msg = [None]
+        if info.is_main:
+            try:
+                stack.enter_context(run_lock(run))
+            except CheckpointError as e:
+                msg = [str(e)]
+        if torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(msg, src=0)
+        if msg[0] is not None:
+            raise CheckpointError(msg[0])
+        yield
+
+
 def _create_lock(path: Path) -> bool:
     """Create ``path`` holding our pid, atomically: the lock never exists empty, so another
     process can never mistake a lock being written for a stale one. False if it exists.

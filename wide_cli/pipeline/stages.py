@@ -34,6 +34,7 @@ from wide_cli.pipeline.routers import (
 )
 from wide_cli.pipeline.rundir import RunDir, model_identity, record_run
 from wide_cli.pipeline.settings import Settings
+from wide_cli.routing.measure import batches_of, measure_sparsity
 
 log = logging.getLogger("wide")
 
@@ -170,24 +171,6 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
 
 
 # ----------------------------------------------------------------------------- measure
-def measure_sparsity(model, sequences: torch.Tensor, *, batch_size: int = 4, max_sequences: int | None = 64) -> dict:
-    """Measured sparsity of a routed model on ``sequences [N, T]`` (no padding).
-
-    Returns ``SparsityCounter.summary()``: ``{attention, ffn, total, per_layer}``, plus ``tokens``.
-    """
-    state = model.wide_routing
-    seqs = sequences if max_sequences is None else sequences[:max_sequences]
-    device = next(model.parameters()).device
-    counter = state.start_counting()
-    try:
-        with torch.no_grad():
-            for i in range(0, len(seqs), batch_size):
-                model(input_ids=seqs[i : i + batch_size].to(device))
-    finally:
-        state.stop_counting()
-    return {**counter.summary(), "tokens": int(seqs.numel())}
-
-
 # ----------------------------------------------------------------------------- export
 def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: dict | None = None,
            export_format: str = "wide", weight_format: str = "fp32"):
@@ -217,7 +200,8 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
     loaded, model = routed_model_from_run(settings, run, loaded=loaded)
     packed = packed_data(settings, loaded.tokenizer, run)
     heldout = packed.heldout if len(packed.heldout) else packed.train
-    measured = measure_sparsity(model, heldout, batch_size=settings.eval.batch_size)
+    # at most 64 held-out sequences: the export's recorded measurement, not an evaluation
+    measured = measure_sparsity(model, batches_of(heldout[:64], settings.eval.batch_size))
     state = model.wide_routing
     layout = resolve_groups(settings.routing, state.shape, warn=False)
     train_info = {}

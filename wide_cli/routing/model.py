@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from wide_cli.models.arch import model_shape
+from wide_cli.artifacts import is_router_tensor
+from wide_cli.models.arch import ROUTED_MODULES, model_shape
 from wide_cli.routing.config import RoutingConfig, resolve_groups
 from wide_cli.routing.layer import routed_layer_class
 from wide_cli.routing.router import Router, StaticRouter
@@ -84,14 +85,14 @@ def attach_routers(model, cfg: RoutingConfig, *, static_keep: dict | None = None
 
 def router_parameters(model) -> list[torch.nn.Parameter]:
     """Trainable router parameters (``router_attention`` / ``router_ffn``), in layer order."""
-    return [p for n, p in model.named_parameters() if ".router_attention." in n or ".router_ffn." in n]
+    return [p for n, p in model.named_parameters() if is_router_tensor(n)]
 
 
 def router_state_dict(model) -> dict[str, torch.Tensor]:
     """Router tensors with export names ``model.layers.{i}.router_{module}.{...}`` (fp32, CPU)."""
     out = {}
     for i, layer in enumerate(decoder_layers(model)):
-        for module in ("attention", "ffn"):
+        for module in ROUTED_MODULES:
             r = getattr(layer, f"router_{module}", None)
             if r is None:
                 continue

@@ -489,7 +489,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
     import tempfile
 
     from wide_cli.models.loader import load_tokenizer
-    from wide_cli.runtime.backend import weights_from_export
+    from wide_cli.runtime.checkpoint import weights_from_export
     from wide_cli.runtime.engine import Runtime
     from wide_cli.runtime.quant import COMPUTE_DTYPE
 

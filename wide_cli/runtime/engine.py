@@ -1,6 +1,6 @@
 """The runtime: routed prefill and decode over its own KV cache, and batched generation.
 
-``Runtime`` reads a model into backend-neutral ``ModelWeights`` (``runtime/backend.py`` rules:
+``Runtime`` reads a model into backend-neutral ``ModelWeights`` (``runtime/checkpoint.py`` rules:
 Hugging Face tensor names, per-layer sizes from the tensors), hands each layer to a backend, and
 runs the decoder itself: embeddings, RMSNorms, routers, RoPE, cache, residual adds and LM head in
 PyTorch; the routed work through the backend. No Hugging Face modeling code runs at inference.
@@ -22,16 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from wide_cli.errors import ConfigError
-from wide_cli.runtime.backend import (
-    Backend,
-    Counter,
-    LayerWeights,
-    ModelWeights,
-    get_backend,
-    weights_from_export,
-    weights_from_model,
-    weights_from_tensors,
-)
+from wide_cli.runtime.backend import Backend, Counter, LayerWeights, ModelWeights, get_backend
+from wide_cli.runtime.checkpoint import weights_from_export, weights_from_model, weights_from_tensors
 from wide_cli.runtime.kv_cache import KVCache
 from wide_cli.runtime.sampling import Sampler, SamplingConfig, TextTracker
 

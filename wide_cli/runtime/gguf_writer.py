@@ -74,15 +74,15 @@ def write_gguf(export_dir, out_path, gguf_type: str = "F16") -> Path:
     import gguf
     from transformers import AutoConfig
 
+    from wide_cli.artifacts import read_backbone
     from wide_cli.models.loader import load_tokenizer
-    from wide_cli.runtime.backend import read_safetensors
     from wide_cli.runtime.quant import dequantize_state_dict
 
     if gguf_type not in GGUF_TYPES:
         raise ConfigError(f"unknown GGUF type {gguf_type!r}", f"choose one of {', '.join(GGUF_TYPES)}")
     export_dir, out_path = Path(export_dir), Path(out_path)
     config = AutoConfig.from_pretrained(export_dir, local_files_only=True)
-    tensors, _ = dequantize_state_dict(read_safetensors(export_dir), str(export_dir / "model.safetensors"))
+    tensors, _ = dequantize_state_dict(read_backbone(export_dir), str(export_dir / "model.safetensors"))
     tokenizer = load_tokenizer(export_dir)
     odd = [n for n in tensors if n.endswith(".bias") or "q_norm" in n or "k_norm" in n]
     params = dict(getattr(config, "rope_parameters", None) or {})

@@ -2,12 +2,12 @@
 
 Layout (the one ``runtime/ops.py`` documents):
 - ``k[layer], v[layer]``: ``[B, H_kv(layer), S_max, d]``, contiguous, model dtype. Each layer has
-  its own KV-head count (B06: a cache built for one layer's layout is never reused for another).
+  its own KV-head count (a cache built for one layer's layout is never reused for another).
 - ``key_valid``: ``[B, S_max]`` bool, False for padding slots.
 - ``positions``: ``[B]`` int64, RoPE position of each row's next token (= valid tokens so far).
 - ``length``: slots written so far, shared by every row.
 
-Every token's K/V are written, whatever its query heads' routing decided (B06): the cache is never
+Every token's K/V are written, whatever its query heads' routing decided (later tokens attend to it): the cache is never
 thinned.
 """
 
@@ -58,7 +58,7 @@ class KVCache:
         Returns:
             ``(start, positions)``: the first new slot, and ``positions [B, T]`` int64, the RoPE
             position of each token: the row's real tokens so far plus the cumulative sum of
-            ``valid`` minus one (B09; padding gets a harmless clamped value).
+            ``valid`` minus one (so padding does not shift positions; padding gets a harmless clamped value).
 
         Raises:
             ValueError: the cache is too short (the engine sizes it up front, so this is a bug).
@@ -92,5 +92,5 @@ class KVCache:
         )
 
     def filled(self) -> list[tuple[int, ...]]:
-        """Shape of each layer's written K part ``(B, H_kv, length, d)`` (for checks, B06)."""
+        """Shape of each layer's written K part ``(B, H_kv, length, d)`` (for checks)."""
         return [(b, h, self.length, d) for (b, h, _, d) in (t.shape for t in self.k)]

@@ -16,12 +16,12 @@ Conventions shared by every operator
 - Dtypes: activations, weights and biases share one float dtype (fp32, bf16 or fp16); outputs
   have that dtype. Accumulation is fp32 (what ``torch.matmul`` does for bf16 on CPU and cuBLAS
   does on GPU). Attention softmax is computed in fp32.
-- Skipped outputs are **exact zeros**, bias included (B15: no bias leaks through a skipped
+- Skipped outputs are **exact zeros**, bias included (no bias leaks through a skipped
   group).
-- Inputs may be non-contiguous views (B08): a transposed activation, a slice of the KV cache. An
+- Inputs may be non-contiguous views: a transposed activation, a slice of the KV cache. An
   implementation that needs particular strides must copy, never misread.
 - Every shape is valid: ``M`` (tokens) is any size >= 1 (1 = decode, 129 = an odd prefill), not
-  only batch 1 / one token (B08).
+  only batch 1 / one token.
 
 KV-cache layout (``runtime/kv_cache.py``)
 -----------------------------------------
@@ -30,7 +30,7 @@ Per layer ``k_cache, v_cache: [B, H_kv, S_max, d]`` (contiguous; head-major so t
 *slots*: all rows write slot ``s`` at the same step; rows that are shorter (left padding) or that
 have holes (right-padded prompts continued by generation) mark those slots invalid in
 ``key_valid [B, S]``. Causality is in slots: the query at slot ``s`` sees keys at slots ``<= s``
-that are valid. RoPE positions are per row (cumulative sum of the attention mask, B09) and are
+that are valid. RoPE positions are per row (cumulative sum of the attention mask, so left padding does not shift them) and are
 applied to q/k *before* these operators; the operators never see positions.
 
 GQA: query head ``h`` reads KV head ``h // (H // H_kv)``.

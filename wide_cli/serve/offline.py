@@ -77,10 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(argv[0]) as f:
         req = json.load(f)
     res = run(req)
-    tmp = argv[1] + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(res, f)
-    os.replace(tmp, argv[1])
+    from wide_cli.atomic import atomic_write_bytes
+
+    atomic_write_bytes(argv[1], json.dumps(res).encode())
     return 0
 
 

@@ -8,7 +8,6 @@ shard of each global batch (``train.data_order.batch_indices``).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -74,35 +73,6 @@ def wrap(model, device: str):
         fully_shard(model)
         return model
     return torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
-
-
-@contextlib.contextmanager
-def rank0_lock(run):
-    """Hold the run directory's lock on rank 0 for the block (every process runs it).
-
-    Only rank 0 writes, so only it locks; when it cannot (another job holds the run), every
-    rank raises the same CheckpointError instead of the others waiting in a collective.
-    """
-    from wide_cli.errors import CheckpointError
-    from wide_cli.pipeline.rundir import run_lock
-
-    info = dist_info()
-    if not info.enabled:
-        with run_lock(run):
-            yield
-        return
-    with contextlib.ExitStack() as stack:
-        msg = [None]
-        if info.is_main:
-            try:
-                stack.enter_context(run_lock(run))
-            except CheckpointError as e:
-                msg = [str(e)]
-        if torch.distributed.is_initialized():
-            torch.distributed.broadcast_object_list(msg, src=0)
-        if msg[0] is not None:
-            raise CheckpointError(msg[0])
-        yield
 
 
 def without_option(argv: list[str], name: str) -> list[str]:

@@ -240,7 +240,7 @@ def train_stage(
     model.train()
     state.set_mode("gumbel")
     # Mixed precision: bf16/fp16 autocast on CUDA; bf16 autocast on CPU (fast where the CPU has
-    # bf16 matrix units, e.g. AMX). Trainable parameters and optimizer state stay fp32 (B11).
+    # bf16 matrix units, e.g. AMX). Trainable parameters and optimizer state stay fp32 (low-precision optimizer state loses small updates).
     if device.type == "cuda" and cfg.dtype in ("bf16", "fp16"):
         autocast = torch.autocast("cuda", dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float16)
     else:

@@ -38,7 +38,8 @@ def lora_config(cfg: LoraSettings):
 
 
 def wrap_lora(model, cfg: LoraSettings):
-    """Wrap a routed model with PEFT LoRA adapters (fp32 adapter weights, public case B11).
+    """Wrap a routed model with PEFT LoRA adapters (fp32 adapter weights: low-precision
+    adapters lose small updates).
 
     Raises:
         CheckpointError: a target module name that matches nothing in the model.
@@ -63,7 +64,7 @@ def adapter_state_dict(peft_model) -> dict[str, torch.Tensor]:
 
 
 def load_adapter(peft_model, tensors: dict[str, torch.Tensor]) -> None:
-    """Load adapter tensors strictly (public case B22: never a silent no-op).
+    """Load adapter tensors strictly: a mismatch is an error, never a silent no-op.
 
     Raises:
         CheckpointError: listing unmatched names or mismatched shapes.
@@ -89,7 +90,7 @@ def merge_lora(peft_model, *, check_changed: bool = True):
 
     Raises:
         CheckpointError: a targeted weight left unchanged by the merge while its B is non-zero
-            (an adapter that silently did nothing, public case B22), or NaN/Inf after merging.
+            (an adapter that silently did nothing), or NaN/Inf after merging.
     """
     before = {}
     if check_changed:

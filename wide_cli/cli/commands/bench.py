@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from wide_cli.cli import options as o
+from wide_cli.cli.options import JsonOpt
 
 QUICK = {"prefill_lengths": (32, 128), "decode_batches": (1, 2), "new_tokens": 16, "decode_prompt_len": 32, "repeats": 1, "warmup": 1}
 
@@ -84,7 +84,7 @@ def bench_cmd(
     forced_sparsity: Annotated[float | None, typer.Option("--forced-sparsity", help="Replace routers by random masks skipping this fraction (label the results).")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Prompt offsets and forced masks (default 0).")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="Small shapes, one round (explicit flags still win).")] = False,
-    json_out: o.JsonOpt = False,
+    json_out: JsonOpt = False,
     json_file: Annotated[Path | None, typer.Option("--json-out", help="Also write the JSON report to FILE (atomic).")] = None,
 ):
     """Benchmark EXPORT: prefill and decode tokens/s for dense HF, the runtime's dense mode and

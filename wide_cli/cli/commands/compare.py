@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 
-from wide_cli.cli import options as o
 from wide_cli.cli.commands.eval import (
     DEFAULT_BATCH_SIZE,
     DataDirOpt,
@@ -18,6 +17,7 @@ from wide_cli.cli.commands.eval import (
     TasksOpt,
     default_data_dir,
 )
+from wide_cli.cli.options import JsonOpt
 
 Targets = Annotated[list[str], typer.Argument(
     help="The dense model first (alias, HF id, local dir, .gguf), then the exports to compare with it.")]
@@ -43,7 +43,7 @@ def compare_cmd(
     word_perplexity: Annotated[bool, typer.Option(
         "--word-perplexity", help="Also score lm-eval's word-level WikiText perplexity (twice the WikiText time).")] = False,
     out: Annotated[Path | None, typer.Option("--out", help="Write report.json, report.md and pareto.png here.")] = None,
-    json_out: o.JsonOpt = False,
+    json_out: JsonOpt = False,
 ):
     """Compare DENSE with pruned EXPORTs: WikiText-2 perplexity, zero-shot task average, FLOPs and
     the measured decode (batch 1) and prefill speedup on the runtime, in one table and one

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from wide_cli.cli import options as o
+from wide_cli.cli.options import Device, Dtype, JsonOpt, ThreadsOpt, TrustRemoteCodeOpt
 
 Targets = Annotated[list[str] | None, typer.Argument(
     help="Models to compare, in order: export directories and/or model specs (alias, HF id, local dir, "
@@ -49,15 +49,15 @@ def eval_cmd(
     seq_len: EvalSeqLenOpt = None,
     stride: StrideOpt = None,
     batch_size: EvalBatchOpt = None,
-    dtype: o.Dtype = None,
-    device: o.Device = None,
+    dtype: Dtype = None,
+    device: Device = None,
     eval_data: EvalDataOpt = None,
     out: ReportOutOpt = None,
     cache_dir: Annotated[Path | None, typer.Option(
         "--cache-dir", help="Reuse each model's results from DIR when model, data, settings and code match; store new ones there.")] = None,
-    trust_remote_code: o.TrustRemoteCodeOpt = False,
-    threads: o.ThreadsOpt = None,
-    json_out: o.JsonOpt = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
 ):
     """Evaluate models: WikiText-2 perplexity (token-level and lm-eval word-level), zero-shot
     accuracy (acc and acc_norm), measured sparsity and routed FLOPs, in one table."""

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from wide_cli.cli import options as o
+from wide_cli.cli.options import JsonOpt, ThreadsOpt
 
 ModelsArg = Annotated[list[str], typer.Argument(
     help="Export directory (written by `wide export`) or dense model spec (smollm2-135m, local HF dir, .gguf); "
@@ -37,8 +37,8 @@ def generate_cmd(
     weights: Annotated[str | None, typer.Option(
         "--weights", help="Weight format: fp32 | bf16 | int8 (int8: weight-only, bf16 activations; default: the "
         "export's stored format, else fp32).")] = None,
-    threads: o.ThreadsOpt = None,
-    json_out: o.JsonOpt = False,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
 ):
     """Generate text from MODEL (an export, or a dense model spec) with the runtime, streaming
     tokens; prints tokens/s and the measured sparsity of the run. Several MODELs: the same prompts

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from wide_cli.cli import options as o
+from wide_cli.cli.options import JsonOpt, TrustRemoteCodeOpt
 
 
 def inspect_cmd(
@@ -23,8 +23,8 @@ def inspect_cmd(
     seq_len: Annotated[int, typer.Option("--seq-len", help="Window length for --text, tokens.")] = 256,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens of --text to measure at most.")] = 8192,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Check manifest.json hashes first.")] = True,
-    trust_remote_code: o.TrustRemoteCodeOpt = False,
-    json_out: o.JsonOpt = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
+    json_out: JsonOpt = False,
 ):
     """Inspect an export: sizes, settings, sparsity per layer and module, per-token routing."""
     from wide_cli.cli import render

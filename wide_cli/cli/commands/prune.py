@@ -2,69 +2,69 @@
 
 from __future__ import annotations
 
-from wide_cli.cli import options as o
+from wide_cli.cli import options
 
 
 def prune_cmd(
-    model: o.ModelArg,
-    recipe: o.RecipeOpt = None,
-    data: o.Data = None,
-    eval_data: o.EvalData = None,
-    heldout_fraction: o.HeldoutFraction = None,
-    max_train_tokens: o.MaxTrainTokens = None,
-    shuffle_documents: o.ShuffleDocs = None,
-    method: o.Method = None,
-    cost_target: o.CostTarget = None,
-    cost_metric: o.CostMetric = None,
-    drop_layers: o.DropLayers = None,
-    sparsity: o.Sparsity = None,
-    sparsity_attention: o.SparsityAttn = None,
-    sparsity_ffn: o.SparsityFfn = None,
-    sparsity_weight: o.SparsityWeight = None,
-    attn_group_size: o.AttnGroup = None,
-    ffn_group_size: o.FfnGroup = None,
-    router_rank: o.RouterRank = None,
-    tau_start: o.TauStart = None,
-    tau_end: o.TauEnd = None,
-    sparsity_warmup: o.SparsityWarmup = None,
-    standin: o.Standin = None,
-    distill: o.Distill = None,
-    distill_temperature: o.DistillTemperature = None,
-    lora_joint: o.LoraJoint = None,
-    steps: o.Steps = None,
-    seq_len: o.SeqLen = None,
-    batch_size: o.BatchSize = None,
-    grad_accum: o.GradAccum = None,
-    lr: o.Lr = None,
-    seed: o.Seed = None,
-    checkpoint_every: o.CheckpointEvery = None,
-    grad_checkpointing: o.GradCheckpointing = None,
-    max_memory: o.MaxMemory = None,
-    dtype: o.Dtype = None,
-    train_dtype: o.TrainDtype = None,
-    device: o.Device = None,
-    router_init: o.RouterInit = None,
-    eval_seq_len: o.EvalSeqLen = None,
-    eval_max_tokens: o.EvalMaxTokens = None,
-    eval_batch_size: o.EvalBatchSize = None,
-    lora: o.Lora = None,
-    lora_steps: o.LoraSteps = None,
-    lora_lr: o.LoraLr = None,
-    lora_rank: o.LoraRank = None,
-    lora_alpha: o.LoraAlpha = None,
-    freeze_routers: o.FreezeRouters = None,
-    run_dir: o.RunDirOpt = None,
-    out: o.OutOpt = None,
-    resume: o.ResumeOpt = False,
-    nproc: o.NprocOpt = 1,
-    threads: o.ThreadsOpt = None,
-    json_out: o.JsonOpt = False,
+    model: options.ModelArg,
+    recipe: options.RecipeOpt = None,
+    data: options.Data = None,
+    eval_data: options.EvalData = None,
+    heldout_fraction: options.HeldoutFraction = None,
+    max_train_tokens: options.MaxTrainTokens = None,
+    shuffle_documents: options.ShuffleDocs = None,
+    method: options.Method = None,
+    cost_target: options.CostTarget = None,
+    cost_metric: options.CostMetric = None,
+    drop_layers: options.DropLayers = None,
+    sparsity: options.Sparsity = None,
+    sparsity_attention: options.SparsityAttn = None,
+    sparsity_ffn: options.SparsityFfn = None,
+    sparsity_weight: options.SparsityWeight = None,
+    attn_group_size: options.AttnGroup = None,
+    ffn_group_size: options.FfnGroup = None,
+    router_rank: options.RouterRank = None,
+    tau_start: options.TauStart = None,
+    tau_end: options.TauEnd = None,
+    sparsity_warmup: options.SparsityWarmup = None,
+    standin: options.Standin = None,
+    distill: options.Distill = None,
+    distill_temperature: options.DistillTemperature = None,
+    lora_joint: options.LoraJoint = None,
+    steps: options.Steps = None,
+    seq_len: options.SeqLen = None,
+    batch_size: options.BatchSize = None,
+    grad_accum: options.GradAccum = None,
+    lr: options.Lr = None,
+    seed: options.Seed = None,
+    checkpoint_every: options.CheckpointEvery = None,
+    grad_checkpointing: options.GradCheckpointing = None,
+    max_memory: options.MaxMemory = None,
+    dtype: options.Dtype = None,
+    train_dtype: options.TrainDtype = None,
+    device: options.Device = None,
+    router_init: options.RouterInit = None,
+    eval_seq_len: options.EvalSeqLen = None,
+    eval_max_tokens: options.EvalMaxTokens = None,
+    eval_batch_size: options.EvalBatchSize = None,
+    lora: options.Lora = None,
+    lora_steps: options.LoraSteps = None,
+    lora_lr: options.LoraLr = None,
+    lora_rank: options.LoraRank = None,
+    lora_alpha: options.LoraAlpha = None,
+    freeze_routers: options.FreezeRouters = None,
+    run_dir: options.RunDirOpt = None,
+    out: options.OutOpt = None,
+    resume: options.ResumeOpt = False,
+    nproc: options.NprocOpt = 1,
+    threads: options.ThreadsOpt = None,
+    json_out: options.JsonOpt = False,
 ):
     """Prune MODEL end to end: calibrate, train routers, export, evaluate dense vs pruned."""
     from wide_cli.cli.threads import apply_threads
 
-    flags = {k: v for k, v in locals().items() if k in o.FLAG_FIELDS}
-    settings = o.resolve_settings(model, recipe, flags)
+    flags = {k: v for k, v in locals().items() if k in options.FLAG_FIELDS}
+    settings = options.resolve_settings(model, recipe, flags)
     n_threads = apply_threads(threads)
     if nproc > 1:
         import os
@@ -83,7 +83,7 @@ def prune_cmd(
     from wide_cli.pipeline.prune import prune
 
     quiet_libraries()
-    rd = run_dir or o.default_run_dir(settings)
+    rd = run_dir or options.default_run_dir(settings)
     result = prune(settings, rd, out, resume=resume, progress=True, log=render.log)
     if result is None:  # a non-zero rank under torchrun: rank 0 reports
         return

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from wide_cli.cli import options as o
+from wide_cli.cli.options import JsonOpt
 from wide_cli.serve.server import DEFAULT_KV_CACHE_GIB
 
 
@@ -23,7 +23,7 @@ def serve_cmd(
     all_on: Annotated[bool, typer.Option("--all-on", help="Execute every group (the backbone as a dense model; routers still run).")] = False,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No torch.compile: faster start-up, slower steps.")] = False,
     startup_timeout: Annotated[float, typer.Option("--startup-timeout", help="Seconds to wait for the server to become ready.")] = 900.0,
-    json_out: o.JsonOpt = False,
+    json_out: JsonOpt = False,
     vllm_arg: Annotated[list[str] | None, typer.Option("--vllm-arg", help="One more vLLM server argument, passed as is; repeatable.")] = None,
 ):
     """Serve EXPORT on vLLM's OpenAI-compatible API (/v1/completions, /v1/chat/completions) with

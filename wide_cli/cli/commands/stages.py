@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from wide_cli.cli import options as o
+from wide_cli.cli import options
 
 
 def _settings_for_run(run_dir: Path, recipe: str | None, flags: dict, model: str | None = None):
@@ -28,7 +28,7 @@ def _settings_for_run(run_dir: Path, recipe: str | None, flags: dict, model: str
         base = settings_from_dict(raw, origin=str(run.root / "run.json"))
     else:
         raise CheckpointError(f"{run.root} holds no run (run.json missing)", "start with `wide calibrate MODEL --run-dir ...`")
-    over = {o.FLAG_FIELDS[k]: v for k, v in flags.items() if k in o.FLAG_FIELDS}
+    over = {options.FLAG_FIELDS[k]: v for k, v in flags.items() if k in options.FLAG_FIELDS}
     if model is not None:
         over[("model", "name")] = model
     from wide_cli.pipeline.common import effective_settings
@@ -37,26 +37,26 @@ def _settings_for_run(run_dir: Path, recipe: str | None, flags: dict, model: str
 
 
 def calibrate_cmd(
-    model: o.ModelArg,
+    model: options.ModelArg,
     run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory to create or reuse.")],
-    recipe: o.RecipeOpt = None,
-    data: o.Data = None,
-    heldout_fraction: o.HeldoutFraction = None,
-    max_train_tokens: o.MaxTrainTokens = None,
-    method: o.Method = None,
-    cost_target: o.CostTarget = None,
-    cost_metric: o.CostMetric = None,
-    drop_layers: o.DropLayers = None,
-    sparsity: o.Sparsity = None,
-    attn_group_size: o.AttnGroup = None,
-    ffn_group_size: o.FfnGroup = None,
-    seq_len: o.SeqLen = None,
-    batch_size: o.BatchSize = None,
-    dtype: o.Dtype = None,
-    device: o.Device = None,
-    resume: o.ResumeOpt = False,
-    threads: o.ThreadsOpt = None,
-    json_out: o.JsonOpt = False,
+    recipe: options.RecipeOpt = None,
+    data: options.Data = None,
+    heldout_fraction: options.HeldoutFraction = None,
+    max_train_tokens: options.MaxTrainTokens = None,
+    method: options.Method = None,
+    cost_target: options.CostTarget = None,
+    cost_metric: options.CostMetric = None,
+    drop_layers: options.DropLayers = None,
+    sparsity: options.Sparsity = None,
+    attn_group_size: options.AttnGroup = None,
+    ffn_group_size: options.FfnGroup = None,
+    seq_len: options.SeqLen = None,
+    batch_size: options.BatchSize = None,
+    dtype: options.Dtype = None,
+    device: options.Device = None,
+    resume: options.ResumeOpt = False,
+    threads: options.ThreadsOpt = None,
+    json_out: options.JsonOpt = False,
 ):
     """Stage 1/4: tokenise + pack the data (cached) and collect per-group activation statistics."""
     from wide_cli.cli import render
@@ -66,8 +66,8 @@ def calibrate_cmd(
     from wide_cli.pipeline.common import effective_settings
     from wide_cli.pipeline.rundir import RunDir, run_lock
 
-    flags = {k: v for k, v in locals().items() if k in o.FLAG_FIELDS}
-    settings = effective_settings(o.resolve_settings(model, recipe, flags))
+    flags = {k: v for k, v in locals().items() if k in options.FLAG_FIELDS}
+    settings = effective_settings(options.resolve_settings(model, recipe, flags))
     apply_threads(threads)
     quiet_libraries()
     run = RunDir(run_dir)
@@ -85,36 +85,36 @@ def calibrate_cmd(
 
 def train_cmd(
     run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory made by `wide calibrate`.")],
-    recipe: o.RecipeOpt = None,
+    recipe: options.RecipeOpt = None,
     stage: Annotated[int, typer.Option("--stage", help="1 = routers; 2 = LoRA recovery (+ routers).")] = 1,
-    steps: o.Steps = None,
-    batch_size: o.BatchSize = None,
-    grad_accum: o.GradAccum = None,
-    lr: o.Lr = None,
-    seed: o.Seed = None,
-    tau_start: o.TauStart = None,
-    tau_end: o.TauEnd = None,
-    cost_target: o.CostTarget = None,
-    cost_metric: o.CostMetric = None,
-    sparsity_warmup: o.SparsityWarmup = None,
-    standin: o.Standin = None,
-    distill: o.Distill = None,
-    distill_temperature: o.DistillTemperature = None,
-    lora_joint: o.LoraJoint = None,
-    sparsity_weight: o.SparsityWeight = None,
-    checkpoint_every: o.CheckpointEvery = None,
-    grad_checkpointing: o.GradCheckpointing = None,
-    max_memory: o.MaxMemory = None,
-    train_dtype: o.TrainDtype = None,
-    router_init: o.RouterInit = None,
-    lora_steps: o.LoraSteps = None,
-    lora_lr: o.LoraLr = None,
-    lora_rank: o.LoraRank = None,
-    lora_alpha: o.LoraAlpha = None,
-    freeze_routers: o.FreezeRouters = None,
-    resume: o.ResumeOpt = False,
-    threads: o.ThreadsOpt = None,
-    json_out: o.JsonOpt = False,
+    steps: options.Steps = None,
+    batch_size: options.BatchSize = None,
+    grad_accum: options.GradAccum = None,
+    lr: options.Lr = None,
+    seed: options.Seed = None,
+    tau_start: options.TauStart = None,
+    tau_end: options.TauEnd = None,
+    cost_target: options.CostTarget = None,
+    cost_metric: options.CostMetric = None,
+    sparsity_warmup: options.SparsityWarmup = None,
+    standin: options.Standin = None,
+    distill: options.Distill = None,
+    distill_temperature: options.DistillTemperature = None,
+    lora_joint: options.LoraJoint = None,
+    sparsity_weight: options.SparsityWeight = None,
+    checkpoint_every: options.CheckpointEvery = None,
+    grad_checkpointing: options.GradCheckpointing = None,
+    max_memory: options.MaxMemory = None,
+    train_dtype: options.TrainDtype = None,
+    router_init: options.RouterInit = None,
+    lora_steps: options.LoraSteps = None,
+    lora_lr: options.LoraLr = None,
+    lora_rank: options.LoraRank = None,
+    lora_alpha: options.LoraAlpha = None,
+    freeze_routers: options.FreezeRouters = None,
+    resume: options.ResumeOpt = False,
+    threads: options.ThreadsOpt = None,
+    json_out: options.JsonOpt = False,
 ):
     """Stage 2/4: train the routers (stage 1) or LoRA + routers (stage 2) on a calibrated run."""
     from wide_cli.cli import render
@@ -122,7 +122,7 @@ def train_cmd(
     from wide_cli.errors import ConfigError
     from wide_cli.pipeline import stages
 
-    flags = {k: v for k, v in locals().items() if k in o.FLAG_FIELDS}
+    flags = {k: v for k, v in locals().items() if k in options.FLAG_FIELDS}
     if stage not in (1, 2):
         raise ConfigError(f"--stage {stage} unknown", "use 1 (routers) or 2 (LoRA recovery)")
     if stage == 2:
@@ -130,11 +130,12 @@ def train_cmd(
     run, settings = _settings_for_run(run_dir, recipe, flags)
     quiet_libraries()
     from wide_cli.cli.threads import apply_threads
+    from wide_cli.pipeline.rundir import rank0_lock
     from wide_cli.train import distributed
 
     apply_threads(threads)
     info = distributed.init(settings.model.device)  # under torchrun: every rank trains, rank 0 writes
-    with distributed.rank0_lock(run):
+    with rank0_lock(run):
         if stage == 1:
             res = stages.train(settings, run, resume=resume, progress=info.is_main)
         else:
@@ -151,7 +152,7 @@ def train_cmd(
 
 def export_cmd(
     run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory with trained routers.")],
-    out: o.OutOpt = None,
+    out: options.OutOpt = None,
     export_format: Annotated[str, typer.Option(
         "--format", help="wide (default: base config + routers.safetensors, for wide's loaders) | "
         "hf (loads in plain transformers with trust_remote_code; static width physically smaller).")] = "wide",
@@ -160,8 +161,8 @@ def export_cmd(
     weights: Annotated[str, typer.Option(
         "--weights", help="fp32 (default) | int8: store int8 projections with their scales for the runtime "
         "(`wide generate` / `wide bench`; --format wide only).")] = "fp32",
-    threads: o.ThreadsOpt = None,
-    json_out: o.JsonOpt = False,
+    threads: options.ThreadsOpt = None,
+    json_out: options.JsonOpt = False,
 ):
     """Stage 3/4: write the deployable export (weights, routers, wide_config, model card, manifest)."""
     from wide_cli.cli import render
