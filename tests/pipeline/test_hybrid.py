@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from wide_cli.cli.app import app, main
 from wide_cli.errors import ConfigError
+from wide_cli.models import depth
 from wide_cli.models.arch import model_shape
 from wide_cli.models.tiny import tiny_model
 from wide_cli.pipeline import static_depth as sd
@@ -54,12 +55,12 @@ def test_teacher_runs_the_source_model_and_the_student_the_pruned_one():
     ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want_full = dense(input_ids=ids, use_cache=False).logits
-    pruned = sd.drop_for_hybrid(dense, [1, 2])
-    assert sd.is_layer_pruned(pruned) and pruned.config.num_hidden_layers == 2
-    ref = sd.remove_layers(tiny_model("llama", seed=1, num_hidden_layers=4).eval(), [1, 2])
+    pruned = depth.drop_for_hybrid(dense, [1, 2])
+    assert depth.is_layer_pruned(pruned) and pruned.config.num_hidden_layers == 2
+    ref = depth.remove_layers(tiny_model("llama", seed=1, num_hidden_layers=4).eval(), [1, 2])
     with torch.no_grad():
         torch.testing.assert_close(pruned(input_ids=ids, use_cache=False).logits, ref(input_ids=ids).logits)
-        with sd.source_depth(pruned):
+        with depth.source_depth(pruned):
             torch.testing.assert_close(pruned(input_ids=ids, use_cache=False).logits, want_full)
         # and back to the pruned model afterwards
         torch.testing.assert_close(pruned(input_ids=ids, use_cache=False).logits, ref(input_ids=ids).logits)

@@ -11,6 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from wide_cli.cli.app import app, main
+from wide_cli.models import depth
 from wide_cli.models.arch import model_shape
 from wide_cli.models.tiny import tiny_model
 from wide_cli.pipeline import static_depth as sd
@@ -98,7 +99,7 @@ def test_static_depth_export_is_plain_transformers_and_equals_dense_with_layers_
 
     plain = AutoModelForCausalLM.from_pretrained(exp, local_files_only=True).eval()
     assert plain.config.num_hidden_layers == 1 and not hasattr(plain, "wide_routing")
-    dense = sd.remove_layers(load_model("tiny-llama").model.eval(), info["removed"])
+    dense = depth.remove_layers(load_model("tiny-llama").model.eval(), info["removed"])
     ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = dense(input_ids=ids).logits

@@ -398,7 +398,7 @@ def _teacher_logits(model, fwd, ids: torch.Tensor) -> torch.Tensor:
     with its removed layers back, i.e. the source model. Leaves the routing mode as it found it."""
     import contextlib
 
-    from wide_cli.pipeline.static_depth import source_depth
+    from wide_cli.models.depth import source_depth
 
     state = model.wide_routing
     mode = state.mode
