@@ -1,7 +1,7 @@
 """Measuring the routing sparsity of a model: one accumulator and one measuring loop, used by
 training (the skip-offset calibration), the export (held-out sparsity), ``wide eval`` and
 ``wide inspect``. The runtime accumulates its own decisions on the device
-(``runtime.engine.SparsityStats``) and summarises them with the same ``SparsityCounter`` maths.
+(``runtime.sparsity.SparsityStats``) and summarises them with the same ``SparsityCounter`` maths.
 A physically narrowed static-width export makes no decisions: ``static_sparsity`` gives its
 sparsity from the kept groups, in the same summary shape.
 

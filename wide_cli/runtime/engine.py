@@ -1,4 +1,6 @@
-"""The runtime: routed prefill and decode over its own KV cache, and batched generation.
+"""The runtime: routed prefill and decode over its own KV cache (``generation.py`` runs batched
+generation on it; ``layer_meta.py`` holds what it keeps of each layer, ``sparsity.py`` counts its
+decisions).
 
 ``Runtime`` reads a model into backend-neutral ``ModelWeights`` (``runtime/checkpoint.py`` rules:
 Hugging Face tensor names, per-layer sizes from the tensors), hands each layer to a backend, and
@@ -13,21 +15,19 @@ group (their outputs are never visible) and are not counted in the measured spar
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from wide_cli.errors import ConfigError
-from wide_cli.runtime.backend import Backend, Counter, LayerWeights, ModelWeights, get_backend
+from wide_cli.runtime import generation
+from wide_cli.runtime.backend import Backend, Counter, ModelWeights, get_backend
 from wide_cli.runtime.checkpoint import weights_from_export, weights_from_model, weights_from_tensors
+from wide_cli.runtime.generation import GenerationResult
 from wide_cli.runtime.kv_cache import KVCache
-from wide_cli.runtime.sampling import Sampler, SamplingConfig, TextTracker
-
-MODULES = ("attention", "ffn")
+from wide_cli.runtime.layer_meta import LayerMeta, layer_meta
+from wide_cli.runtime.sparsity import SparsityStats
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -63,56 +63,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
-class SparsityStats:
-    """Measured sparsity of the runtime's own decisions: skipped / total (valid token, group)
-    decisions per layer and module, accumulated as device tensors (no sync per layer)."""
-
-    def __init__(self, num_layers: int, device: torch.device):
-        self.num_layers = num_layers
-        self.skipped = torch.zeros(num_layers, 2, dtype=torch.float64, device=device)
-        self.decisions = torch.zeros(num_layers, 2, dtype=torch.float64, device=device)
-
-        self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
-
-    def reset(self) -> None:
-        self.skipped.zero_()
-        self.decisions.zero_()
-        self._pending.clear()
-
-    def add(self, layer: int, module: str, execute: torch.Tensor, n_valid: torch.Tensor) -> None:
-        """Record ``execute [B, T, G]`` bool (already False on padding) of a block with ``n_valid``
-        (0-d tensor) real tokens. Counted lazily, in batches (a decode step stays cheap)."""
-        self._pending.append((layer, MODULES.index(module), execute, n_valid))
-        if len(self._pending) >= 4096:
-            self.flush()
-
-    def flush(self) -> None:
-        """Fold the pending records into the counts, one stacked reduction per mask shape."""
-        by_shape: dict = {}
-        for rec in self._pending:
-            by_shape.setdefault(tuple(rec[2].shape), []).append(rec)
-        self._pending.clear()
-        for shape, recs in by_shape.items():
-            idx = torch.tensor([r[0] * 2 + r[1] for r in recs], device=self.skipped.device)
-            executed = torch.stack([r[2] for r in recs]).flatten(1).sum(1).double()  # [n]
-            decided = torch.stack([r[3] for r in recs]).double() * shape[-1]  # [n]
-            self.decisions.view(-1).index_add_(0, idx, decided)
-            self.skipped.view(-1).index_add_(0, idx, decided - executed)
-
-    def summary(self) -> dict:
-        """``{attention, ffn, total, per_layer}`` like ``routing.SparsityCounter.summary``: per
-        module the mean over layers of the per-layer skip fraction; None where not routed."""
-        from wide_cli.routing.state import SparsityCounter
-
-        self.flush()
-        c = SparsityCounter(self.num_layers)
-        sk, de = self.skipped.tolist(), self.decisions.tolist()
-        for m, name in enumerate(MODULES):
-            c.skipped[name] = [row[m] for row in sk]
-            c.decisions[name] = [row[m] for row in de]
-        return c.summary()
-
-
 @dataclass
 class _Step:
     """Per-step values shared by every layer.
@@ -128,76 +78,6 @@ class _Step:
     cos: torch.Tensor
     sin: torch.Tensor
     key_valid: torch.Tensor
-
-
-@dataclass
-class _LayerMeta:
-    """What the engine itself needs of a layer (the backend keeps the big weights)."""
-
-    index: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    attn_group_size: int
-    ffn_group_size: int
-    attn_groups: int
-    ffn_groups: int
-    ln_attn: torch.Tensor
-    ln_ffn: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    routers: dict  # module -> (w [G, D], b [G]) fp32 from _fold_router, or None
-    standins: dict  # module -> [G, D] fp32 stand-in of each skipped group, or None
-    keeps: dict  # module -> [G] bool, or None
-    window: int | None
-
-
-@dataclass
-class GenerationResult:
-    """Outcome of ``Runtime.generate``.
-
-    Attributes:
-        texts: generated text per prompt (stop string excluded).
-        tokens: generated token ids per prompt (EOS / stop-string tokens included).
-        finish_reasons: per prompt ``eos``, ``stop`` or ``length``.
-        prompt_tokens: real (non-padding) prompt tokens, all prompts.
-        new_tokens: generated tokens counted until each row finished.
-        prefill_s, decode_s: wall time of the prompt forward and of the decode steps, seconds.
-        sparsity: measured sparsity of this run (``SparsityStats.summary``).
-    """
-
-    texts: list[str]
-    tokens: list[list[int]]
-    finish_reasons: list[str]
-    prompt_tokens: int
-    new_tokens: int
-    prefill_s: float
-    decode_s: float
-    sparsity: dict = field(default_factory=dict)
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Generated tokens per second of decode time (the first token comes from the prefill)."""
-        steps = max(self.new_tokens - len(self.texts), 0)
-        return steps / self.decode_s if self.decode_s > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return {
-            "texts": self.texts,
-            "tokens": self.tokens,
-            "finish_reasons": self.finish_reasons,
-            "prompt_tokens": self.prompt_tokens,
-            "new_tokens": self.new_tokens,
-            "prefill_s": self.prefill_s,
-            "decode_s": self.decode_s,
-            "prefill_tokens_per_s": self.prefill_tokens_per_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "sparsity": self.sparsity,
-        }
 
 
 class Runtime:
@@ -230,7 +110,7 @@ class Runtime:
         weight_format: str | None = None,
     ):
         from wide_cli.models.loader import resolve_dtype
-        from wide_cli.runtime.quant import COMPUTE_DTYPE, check_format
+        from wide_cli.runtime.quant import COMPUTE_DTYPE, check_format, fake_quantize
 
         fmt = weight_format or weights.extra.get("weight_format")
         if fmt is not None:
@@ -287,7 +167,7 @@ class Runtime:
         self.final_norm = weights.final_norm.to(dev, self.dtype)
         self.inv_freq = weights.inv_freq.to(dev, torch.float32)
         self.rope_scale = float(weights.rope_scale)
-        self.meta = [self._meta(lw) for lw in weights.layers]
+        self.meta = [layer_meta(lw, dev, self.dtype) for lw in weights.layers]
         self.layers = [self.backend.prepare_layer(lw, self.dtype) for lw in weights.layers]
         self.stats = SparsityStats(len(self.layers), dev)
         self.layer_shapes = [(lw.num_heads, lw.num_kv_heads, lw.head_dim, lw.intermediate_size) for lw in weights.layers]
@@ -368,31 +248,6 @@ class Runtime:
                           intermediate_size=m.ffn_groups * m.ffn_group_size, vocab_size=self.vocab_size,
                           model_type="llama")
 
-    def _meta(self, lw: LayerWeights) -> _LayerMeta:
-        dev = self.device
-
-        def r(rw):
-            if rw is None:
-                return None
-            return tuple(t.to(dev, torch.float32).contiguous() for t in _fold_router(rw))
-
-        def k(keep):
-            return None if keep is None else keep.to(dev, torch.bool)
-
-        return _LayerMeta(
-            index=lw.index, num_heads=lw.num_heads, num_kv_heads=lw.num_kv_heads, head_dim=lw.head_dim,
-            attn_group_size=lw.attn_group_size, ffn_group_size=lw.ffn_group_size,
-            attn_groups=lw.attn_groups, ffn_groups=lw.ffn_groups,
-            ln_attn=lw.ln_attn.to(dev, self.dtype), ln_ffn=lw.ln_ffn.to(dev, self.dtype),
-            q_norm=None if lw.q_norm is None else lw.q_norm.to(dev, self.dtype),
-            k_norm=None if lw.k_norm is None else lw.k_norm.to(dev, self.dtype),
-            routers={"attention": r(lw.router_attention), "ffn": r(lw.router_ffn)},
-            standins={mod: None if rw is None or rw.standin is None else rw.standin.to(dev, torch.float32)
-                      for mod, rw in (("attention", lw.router_attention), ("ffn", lw.router_ffn))},
-            keeps={"attention": k(lw.keep_attention), "ffn": k(lw.keep_ffn)},
-            window=lw.window,
-        )  # fmt: skip
-
     # ------------------------------------------------------------------------------------------
     # the forward pass
 
@@ -408,7 +263,7 @@ class Runtime:
             dtype=self.dtype, device=self.device,
         )  # fmt: skip
 
-    def _decide(self, m: _LayerMeta, module: str, x: torch.Tensor, ctx: _Step):
+    def _decide(self, m: LayerMeta, module: str, x: torch.Tensor, ctx: _Step):
         """Execute decisions ``[B, T, G]`` bool (False on padding) or None (module runs dense)."""
         if not self.routing:
             return None
@@ -548,125 +403,16 @@ class Runtime:
     # ------------------------------------------------------------------------------------------
     # generation
 
-    def _encode(self, prompts) -> list[list[int]]:
-        if all(isinstance(p, str) for p in prompts):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer; pass token ids or a tokenizer")
-            return [list(self.tokenizer(p).input_ids) for p in prompts]
-        return [list(map(int, p)) for p in prompts]
-
-    def _pad_id(self) -> int:
-        tok = self.tokenizer
-        for cand in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None), *self.eos_token_ids):
-            if cand is not None:
-                return int(cand)
-        return 0
-
     def batch(self, prompts: list[list[int]], padding_side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
         """Pad token-id lists into ``input_ids [B, T]`` and ``valid [B, T]`` (pad = pad/EOS id)."""
-        if padding_side not in ("left", "right"):
-            raise ValueError(f"padding_side {padding_side!r} is not 'left' or 'right'")
-        T = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), T), self._pad_id(), dtype=torch.long)
-        valid = torch.zeros(len(prompts), T, dtype=torch.bool)
-        for b, p in enumerate(prompts):
-            sl = slice(T - len(p), T) if padding_side == "left" else slice(0, len(p))
-            ids[b, sl] = torch.tensor(p, dtype=torch.long)
-            valid[b, sl] = True
-        return ids, valid
+        pad = generation.pad_token_id(self.tokenizer, self.eos_token_ids)
+        return generation.pad_batch(prompts, pad, padding_side)
 
-    def generate(
-        self,
-        prompts,
-        *,
-        max_new_tokens: int = 64,
-        sampling: SamplingConfig | None = None,
-        stop: tuple[str, ...] = (),
-        ignore_eos: bool = False,
-        padding_side: str = "left",
-        on_text: Callable[[int, str], None] | None = None,
-        prefill_chunk: int | None = 2048,
-    ) -> GenerationResult:
-        """Generate continuations of a batch of prompts of any lengths.
-
-        Args:
-            prompts: strings (needs the tokenizer) or lists of token ids.
-            max_new_tokens: upper bound of generated tokens per prompt.
-            sampling: greedy by default.
-            stop: stop strings; the text is cut before the first one (needs the tokenizer).
-            ignore_eos: keep generating through EOS (benchmarks).
-            padding_side: ``left`` or ``right``; results do not depend on it (B09).
-            on_text: called as ``on_text(row, text_delta)`` while tokens stream in.
-            prefill_chunk: prompt tokens per forward (bounds activation memory of long prompts;
-                None = the whole prompt at once). Results do not depend on it.
-        """
-        from wide_cli.models.arch import check_context
-
-        sampling = sampling or SamplingConfig()
-        if max_new_tokens < 1:
-            raise ConfigError(f"--max-new-tokens {max_new_tokens} must be >= 1", "ask for at least one new token")
-        if not prompts:
-            raise ValueError("no prompts")
-        ids = self._encode(prompts)
-        if any(len(p) == 0 for p in ids):
-            raise ValueError("empty prompt (no tokens)")
-        longest = max(len(p) for p in ids)
-        check_context(longest, self.max_positions, f"a prompt of {longest} tokens",
-                      "shorten the prompt (or use a model with a longer context)")
-        check_context(longest + max_new_tokens, self.max_positions,
-                      f"a prompt of {longest} tokens + --max-new-tokens {max_new_tokens} = {longest + max_new_tokens} tokens",
-                      f"lower --max-new-tokens to {(self.max_positions or 0) - longest} or shorten the prompt")
-        input_ids, valid = self.batch(ids, padding_side)
-        B, T = input_ids.shape
-        cache = self.new_cache(B, T + max_new_tokens)
-        sampler = Sampler(sampling, self.device)
-        trackers = [TextTracker(self.tokenizer, tuple(stop)) if self.tokenizer is not None else None for _ in range(B)]
-        eos = set() if ignore_eos else set(self.eos_token_ids)
-        out_tokens: list[list[int]] = [[] for _ in range(B)]
-        reasons = ["length"] * B
-        finished = torch.zeros(B, dtype=torch.bool)
-        self.stats.reset()
-
-        t0 = time.perf_counter()
-        logits = self.prefill(input_ids, valid, cache, chunk=prefill_chunk)
-        t_prefill = time.perf_counter() - t0
-        pad = self._pad_id()
-        t1 = time.perf_counter()
-        for n in range(max_new_tokens):
-            nxt = sampler(logits).cpu()
-            for b in range(B):
-                if finished[b]:
-                    continue
-                tok = int(nxt[b])
-                out_tokens[b].append(tok)
-                if trackers[b] is not None:
-                    delta = trackers[b].push(tok) if tok not in eos else ""
-                    if delta and on_text is not None:
-                        on_text(b, delta)
-                if tok in eos:
-                    finished[b], reasons[b] = True, "eos"
-                elif trackers[b] is not None and trackers[b].stopped:
-                    finished[b], reasons[b] = True, "stop"
-            if bool(finished.all()) or n == max_new_tokens - 1:
-                break
-            step_ids = torch.where(finished, pad, nxt)[:, None]
-            logits = self.step(step_ids, ~finished[:, None], cache)  # finished rows ride along as padding
-        t_decode = time.perf_counter() - t1
-        texts = []
-        for b in range(B):
-            tr = trackers[b]
-            if tr is not None:
-                tail = tr.flush()
-                if tail and on_text is not None:
-                    on_text(b, tail)
-                texts.append(tr.text)
-            else:
-                texts.append("")
-        return GenerationResult(
-            texts=texts, tokens=out_tokens, finish_reasons=reasons, prompt_tokens=int(valid.sum()),
-            new_tokens=sum(len(t) for t in out_tokens), prefill_s=t_prefill, decode_s=t_decode,
-            sparsity=self.stats.summary(),
-        )  # fmt: skip
+    def generate(self, prompts, **kwargs) -> GenerationResult:
+        """Generate continuations of a batch of prompts of any lengths (``generation.generate``:
+        ``max_new_tokens``, ``sampling``, ``stop``, ``ignore_eos``, ``padding_side``,
+        ``on_text``, ``prefill_chunk``)."""
+        return generation.generate(self, prompts, **kwargs)
 
 
 def _add_standin(x: torch.Tensor, execute: torch.Tensor | None, standin: torch.Tensor | None) -> torch.Tensor:
@@ -675,36 +421,3 @@ def _add_standin(x: torch.Tensor, execute: torch.Tensor | None, standin: torch.T
     if standin is None or execute is None:
         return x
     return x + ((~execute).to(torch.float32) @ standin).to(x.dtype)
-
-
-def fake_quantize(weights: ModelWeights) -> ModelWeights:
-    """A copy of ``weights`` whose projections and LM head hold the values the int8 kernels use
-    (``dequantize(quantize(w))`` with the cpu backend's grouping: per row for Q/K/V, gate/up and
-    the LM head, per row and routed group for O and down; the embedding is handled by Runtime)."""
-    import dataclasses
-
-    from wide_cli.runtime.quant import dequantize_int8, quantize_int8
-
-    def fq(w, gk=None):
-        return dequantize_int8(*quantize_int8(w, gk))
-
-    layers = []
-    for lw in weights.layers:
-        cols = lw.attn_group_size * lw.head_dim
-        layers.append(dataclasses.replace(
-            lw, wq=fq(lw.wq), wk=fq(lw.wk), wv=fq(lw.wv), wo=fq(lw.wo, cols), w_gate=fq(lw.w_gate),
-            w_up=fq(lw.w_up), w_down=fq(lw.w_down, lw.ffn_group_size),
-        ))  # fmt: skip
-    return dataclasses.replace(weights, layers=layers, lm_head=fq(weights.lm_head), tied=False)
-
-
-def _fold_router(rw) -> tuple[torch.Tensor, torch.Tensor]:
-    """``Linear(D, r) -> Linear(r, 2G)`` with no activation, reduced to the decision function:
-    ``w [G, D], b [G]`` with ``x @ w.T + b = logit0 - logit1`` (folded in float64, stored fp32).
-
-    Same decisions as the two-layer router except at near-ties (|logit0 - logit1| at the level of
-    fp32 rounding), where any change of summation order -- another BLAS, a GPU -- can flip them.
-    """
-    wc, bc, wr, br = (t.double() for t in (rw.wc, rw.bc, rw.wr, rw.br))
-    wd, bd = wr[0::2] - wr[1::2], br[0::2] - br[1::2]  # [G, r], [G]
-    return (wd @ wc).float(), (wd @ bc + bd).float()

@@ -83,6 +83,26 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.float().reshape(N, G, K // G) * scale.float()[..., None]).reshape(N, K)
 
 
+def fake_quantize(weights):
+    """A copy of ``weights`` (``backend.ModelWeights``) whose projections and LM head hold the
+    values the int8 kernels use (``dequantize(quantize(w))`` with the cpu backend's grouping: per
+    row for Q/K/V, gate/up and the LM head, per row and routed group for O and down; the
+    embedding is handled by the engine)."""
+    import dataclasses
+
+    def fq(w, gk=None):
+        return dequantize_int8(*quantize_int8(w, gk))
+
+    layers = []
+    for lw in weights.layers:
+        cols = lw.attn_group_size * lw.head_dim
+        layers.append(dataclasses.replace(
+            lw, wq=fq(lw.wq), wk=fq(lw.wk), wv=fq(lw.wv), wo=fq(lw.wo, cols), w_gate=fq(lw.w_gate),
+            w_up=fq(lw.w_up), w_down=fq(lw.w_down, lw.ffn_group_size),
+        ))  # fmt: skip
+    return dataclasses.replace(weights, layers=layers, lm_head=fq(weights.lm_head), tied=False)
+
+
 def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [M, K] (bf16) @ (q [N, K] int8 * scale [N])^T -> [M, N]`` in x's dtype (torch's
     weight-only int8 CPU GEMM). ``q`` must be contiguous and K a multiple of 16."""

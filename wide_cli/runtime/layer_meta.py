@@ -1,0 +1,71 @@
+"""What the engine keeps of each layer itself (the backend keeps the big weights): sizes, norm
+weights, the routers folded to one decision function, stand-ins and static keep masks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from wide_cli.runtime.backend import LayerWeights
+
+
+@dataclass
+class LayerMeta:
+    """What the engine itself needs of a layer (the backend keeps the big weights)."""
+
+    index: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attn_group_size: int
+    ffn_group_size: int
+    attn_groups: int
+    ffn_groups: int
+    ln_attn: torch.Tensor
+    ln_ffn: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    routers: dict  # module -> (w [G, D], b [G]) fp32 from fold_router, or None
+    standins: dict  # module -> [G, D] fp32 stand-in of each skipped group, or None
+    keeps: dict  # module -> [G] bool, or None
+    window: int | None
+
+
+def layer_meta(lw: LayerWeights, device: torch.device, dtype: torch.dtype) -> LayerMeta:
+    """``lw``'s ``LayerMeta`` on ``device``: norms in the compute ``dtype``, routers and
+    stand-ins in fp32 (as trained), keep masks as bool."""
+
+    def r(rw):
+        if rw is None:
+            return None
+        return tuple(t.to(device, torch.float32).contiguous() for t in fold_router(rw))
+
+    def k(keep):
+        return None if keep is None else keep.to(device, torch.bool)
+
+    return LayerMeta(
+        index=lw.index, num_heads=lw.num_heads, num_kv_heads=lw.num_kv_heads, head_dim=lw.head_dim,
+        attn_group_size=lw.attn_group_size, ffn_group_size=lw.ffn_group_size,
+        attn_groups=lw.attn_groups, ffn_groups=lw.ffn_groups,
+        ln_attn=lw.ln_attn.to(device, dtype), ln_ffn=lw.ln_ffn.to(device, dtype),
+        q_norm=None if lw.q_norm is None else lw.q_norm.to(device, dtype),
+        k_norm=None if lw.k_norm is None else lw.k_norm.to(device, dtype),
+        routers={"attention": r(lw.router_attention), "ffn": r(lw.router_ffn)},
+        standins={mod: None if rw is None or rw.standin is None else rw.standin.to(device, torch.float32)
+                  for mod, rw in (("attention", lw.router_attention), ("ffn", lw.router_ffn))},
+        keeps={"attention": k(lw.keep_attention), "ffn": k(lw.keep_ffn)},
+        window=lw.window,
+    )  # fmt: skip
+
+
+def fold_router(rw) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Linear(D, r) -> Linear(r, 2G)`` with no activation, reduced to the decision function:
+    ``w [G, D], b [G]`` with ``x @ w.T + b = logit0 - logit1`` (folded in float64, stored fp32).
+
+    Same decisions as the two-layer router except at near-ties (|logit0 - logit1| at the level of
+    fp32 rounding), where any change of summation order -- another BLAS, a GPU -- can flip them.
+    """
+    wc, bc, wr, br = (t.double() for t in (rw.wc, rw.bc, rw.wr, rw.br))
+    wd, bd = wr[0::2] - wr[1::2], br[0::2] - br[1::2]  # [G, r], [G]
+    return (wd @ wc).float(), (wd @ bc + bd).float()
