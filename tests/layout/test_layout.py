@@ -19,7 +19,6 @@ ALLOWED_CALL_TIME_CYCLES: tuple[frozenset[str], ...] = ()
 # Modules over MAX_LINES that another change is rewriting right now; split them, then drop them here.
 ALLOWED_LONG_MODULES: frozenset[str] = frozenset({
     "wide_cli/runtime/bench.py",  # benchmarks: to their own package like gpu_check (issue 14, item 4)
-    "wide_cli/runtime/cpu.py",  # grew with the concurrent CPU-runtime work; split it next
 })  # fmt: skip
 
 

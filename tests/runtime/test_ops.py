@@ -8,14 +8,20 @@ atol 1e-5, rtol 1e-5 (fp32): both sides compute the same dot products; only summ
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from wide_cli.runtime import cpu, ops
+from wide_cli.runtime import cpu_attention, cpu_proj, ops
 
-IMPLS = {"reference": ops, "cpu": cpu}
-SHAPES_M = [1, 7, 16, 17, 129]  # decode, odd prefill, both sides of cpu.SMALL_M, long prefill
+# the cpu backend's operators under the names of the ops.py contract
+CPU_OPS = SimpleNamespace(
+    gemm_mn=cpu_proj.gemm_mn, gemm_k=cpu_proj.gemm_k, gemm_mn_swiglu=cpu_proj.gemm_mn_swiglu,
+    attention_prefill=cpu_attention.attention_prefill, attention_decode=cpu_attention.attention_decode,
+)  # fmt: skip
+IMPLS = {"reference": ops, "cpu": CPU_OPS}
+SHAPES_M = [1, 7, 16, 17, 129]  # decode, odd prefill, both sides of cpu_plan.SMALL_M, long prefill
 ATOL = 1e-5
 RTOL = 1e-5  # fp32 rounding of dot products of length 24 with values up to ~40
 
@@ -209,10 +215,10 @@ def test_decode_reads_no_cache_for_fully_skipped_kv_heads():
     kc, vc = torch.randn(B, Hkv, S, d), torch.randn(B, Hkv, S, d)
     hm = torch.tensor([[True, True, False, False]])
     valid = torch.ones(B, S, dtype=torch.bool)
-    base = cpu.attention_decode(q, kc, vc, hm, valid, scale=0.3)
+    base = cpu_attention.attention_decode(q, kc, vc, hm, valid, scale=0.3)
     kc[:, 1] = float("nan")
     vc[:, 1] = float("nan")
-    torch.testing.assert_close(cpu.attention_decode(q, kc, vc, hm, valid, scale=0.3), base)
+    torch.testing.assert_close(cpu_attention.attention_decode(q, kc, vc, hm, valid, scale=0.3), base)
 
 
 def test_group_token_lists_is_a_stable_partition():

@@ -2,9 +2,9 @@
 
 This module is the *contract*. Every backend implements these five operators with identical
 signatures and semantics; ``reference`` calls these functions directly, ``cpu`` has its own
-work-skipping versions in ``runtime/cpu.py``, and the CuPy kernels implement the same thing on the
-GPU. Each operator here is written as "compute dense, then mask" so that it is obviously right; it
-saves no work.
+work-skipping versions in ``runtime/cpu_proj.py`` and ``runtime/cpu_attention.py``, and the CuPy
+kernels implement the same thing on the GPU. Each operator here is written as "compute dense, then
+mask" so that it is obviously right; it saves no work.
 
 Conventions shared by every operator
 ------------------------------------

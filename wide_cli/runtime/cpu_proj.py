@@ -1,0 +1,287 @@
+"""Projections of the cpu backend: weights laid out by routed group in a weight format
+(``Proj``), and the work-skipping GEMMs and SwiGLU FFN over them (``runtime/cpu.py`` describes
+the layout and the strategy).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from wide_cli.runtime import ops
+from wide_cli.runtime.backend import Counter
+from wide_cli.runtime.cpu_plan import SMALL_M, mask_state, skip_plan
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """``(first byte address, nbytes)`` of a contiguous block."""
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
+class Proj:
+    """One projection ``y = x @ W^T`` (``W [N, K]``, HF layout) stored so that a block of routed
+    groups is one contiguous read, in a weight format (``runtime/quant.py``).
+
+    axis ``n`` (QKV, gate/up): blocks are row ranges ``[r0, r1)``. float: ``w [N, K]``; int8:
+    ``q [N, K]`` and one bf16 scale per row ``s [N]``.
+    axis ``k`` (O, down): blocks are reduction groups ``[j0, j1)`` of ``g`` channels. float:
+    ``w_t [K, N]`` (a group's channels are contiguous rows); int8: ``q [G, N, g]`` and
+    ``s [G, N]``, one block and one scale per (group, row): a skipped group reads neither.
+
+    Every call adds its multiply-adds to ``counter.macs`` (and its weight spans to
+    ``counter.trace`` when tracing). Views of blocks are cached (at most G (G + 1) / 2 per
+    projection), so the decode hot path slices nothing.
+    """
+
+    def __init__(self, w: torch.Tensor, axis: str, fmt: str, dtype: torch.dtype, device, counter: Counter,
+                 g: int | None = None, what: str = "projection"):
+        from wide_cli.runtime.quant import check_int8_width, quantize_int8
+
+        self.axis, self.fmt, self.counter = axis, fmt, counter
+        self.int8 = fmt == "int8"
+        self.N, self.K = w.shape
+        self.g = g
+        self.dtype = dtype
+        self._v: dict = {}
+        if self.int8:
+            check_int8_width(self.K if axis == "n" else g, what)
+            if axis == "n":
+                q, s = quantize_int8(w)
+                self.q, self.s = q.to(device).contiguous(), s[:, 0].to(device, torch.bfloat16).contiguous()
+            else:
+                G = self.K // g
+                q, s = quantize_int8(w, g)
+                self.q = q.view(self.N, G, g).permute(1, 0, 2).to(device).contiguous()  # [G, N, g]
+                self.s = s.t().to(device, torch.bfloat16).contiguous()  # [G, N]
+        elif axis == "n":
+            self.w = w.to(device=device, dtype=dtype).contiguous()
+        else:
+            self.w_t = w.to(device=device, dtype=dtype).t().contiguous()
+
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        """Accumulator of ``acc``: fp32 for int8 (its blocks are summed one group at a time)."""
+        return torch.float32 if self.int8 else self.dtype
+
+    def nbytes(self) -> int:
+        ts = (self.q, self.s) if self.int8 else (self.w if self.axis == "n" else self.w_t,)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def rows(self, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+        """``x [M, K] -> [M, r1 - r0]``: output rows ``[r0, r1)`` (axis ``n``)."""
+        v = self._v.get((r0, r1))
+        if v is None:
+            v = self._v[(r0, r1)] = (
+                (self.q[r0:r1], self.s[r0:r1]) if self.int8 else (self.w[r0:r1],)
+            )
+        self.counter.macs += x.shape[0] * (r1 - r0) * self.K
+        if self.counter.trace is not None:
+            self.counter.trace.extend(_span(t) for t in v)
+        if self.int8:
+            return torch.ops.aten._weight_int8pack_mm(x, v[0], v[1])
+        return F.linear(x, v[0])
+
+    def acc(self, out: torch.Tensor, a: torch.Tensor, j0: int, j1: int) -> None:
+        """``out [M, N] += a [M, (j1 - j0) g] @ W[:, j0 g : j1 g]^T`` (axis ``k``); ``a`` holds
+        the activations of groups ``[j0, j1)`` only; ``out`` has ``acc_dtype``."""
+        g = self.g
+        M = a.shape[0]
+        self.counter.macs += M * (j1 - j0) * g * self.N
+        tr = self.counter.trace
+        if not self.int8:
+            w = self._v.get((j0, j1))
+            if w is None:
+                w = self._v[(j0, j1)] = self.w_t[j0 * g : j1 * g]
+            if tr is not None:
+                tr.append(_span(w))
+            out.addmm_(a, w)
+            return
+        for j in range(j0, j1):
+            aj = a[:, (j - j0) * g : (j - j0 + 1) * g]
+            if M > 1:
+                aj = aj.contiguous()
+            if tr is not None:
+                tr.extend((_span(self.q[j]), _span(self.s[j])))
+            out.add_(torch.ops.aten._weight_int8pack_mm(aj, self.q[j], self.s[j]))
+
+
+def gemm_mn_proj(a: torch.Tensor, p: Proj, mask, group_size: int, bias=None, plan=None) -> torch.Tensor:
+    """``ops.gemm_mn`` on the first ``G * group_size`` rows of an axis-``n`` projection."""
+    state, runs, uniform = plan or skip_plan(mask)
+    M = a.shape[0]
+    g = group_size
+    N = (mask.shape[1] if mask is not None else p.N // g) * g
+    if state == "dense":
+        out = p.rows(a, 0, N)
+        return out if bias is None else out.add_(bias)
+    out = torch.zeros(M, N, dtype=a.dtype, device=a.device)
+    if state == "none":
+        return out
+    if M <= SMALL_M and runs == [(0, N // g)]:  # union is everything: dense GEMM, then mask
+        out = p.rows(a, 0, N)
+        if bias is not None:
+            out.add_(bias)
+        return out.mul_(ops.expand_mask(mask, g).to(a.dtype))
+    if M <= SMALL_M:
+        for s, e in runs:
+            y = p.rows(a, s * g, e * g)
+            out[:, s * g : e * g] = y if bias is None else y.add_(bias[s * g : e * g])
+        if not uniform:
+            out.mul_(ops.expand_mask(mask, g).to(out.dtype))
+        return out
+    order, counts = ops.group_token_lists(mask)
+    for j, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        bj = None if bias is None else bias[j * g : (j + 1) * g]
+        if n == M:
+            y = p.rows(a, j * g, (j + 1) * g)
+            out[:, j * g : (j + 1) * g] = y if bj is None else y.add_(bj)
+        else:
+            idx = order[j, :n]
+            y = p.rows(a.index_select(0, idx), j * g, (j + 1) * g)
+            out[:, j * g : (j + 1) * g].index_copy_(0, idx, y if bj is None else y.add_(bj))
+    return out
+
+
+def gemm_k_proj(a: torch.Tensor, p: Proj, mask, bias=None, plan=None) -> torch.Tensor:
+    """``ops.gemm_k`` on an axis-``k`` projection (groups of ``p.g`` reduction channels)."""
+    state, runs, uniform = plan or skip_plan(mask)
+    M, g, G = a.shape[0], p.g, p.K // p.g
+    out = torch.zeros(M, p.N, dtype=p.acc_dtype, device=a.device)
+    if bias is not None:
+        out.add_(bias)
+    if state == "none":
+        return out.to(a.dtype)
+    if state == "dense":
+        p.acc(out, a, 0, G)
+    elif M <= SMALL_M:
+        if not uniform:
+            a = a * ops.expand_mask(mask, g).to(a.dtype)
+        if runs == [(0, G)]:  # union is everything: masked activations, then dense GEMM
+            p.acc(out, a, 0, G)
+        else:
+            for s, e in runs:
+                p.acc(out, a[:, s * g : e * g], s, e)
+    else:
+        order, counts = ops.group_token_lists(mask)
+        for j, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            aj = a[:, j * g : (j + 1) * g]
+            if n == M:
+                p.acc(out, aj, j, j + 1)
+            else:
+                idx = order[j, :n]
+                part = torch.zeros(n, p.N, dtype=p.acc_dtype, device=a.device)
+                p.acc(part, aj.index_select(0, idx), j, j + 1)
+                out.index_add_(0, idx, part)
+    return out.to(a.dtype)
+
+
+def _swiglu(gu: torch.Tensor, g: int) -> torch.Tensor:
+    """``gu [..., 2g]`` (gate | up) -> ``silu(gate) * up [..., g]``."""
+    return F.silu(gu[..., :g]) * gu[..., g:]
+
+
+def ffn_proj(x: torch.Tensor, gu: Proj, down: Proj, mask, plan=None) -> torch.Tensor:
+    """Routed SwiGLU FFN on the grouped layout.
+
+    Args:
+        x: ``[M, D]``. gu: axis-``n`` projection ``[G * 2g, D]`` (per group its gate rows then its
+            up rows). down: axis-``k`` projection ``[D, G * g]``. mask: ``[M, G]`` bool or None.
+    Returns:
+        ``[M, D]`` = ``gemm_k(gemm_mn_swiglu(x, ...), down, mask)``.
+    """
+    g = down.g
+    G = down.K // g
+    M = x.shape[0]
+    state, runs, uniform = plan or skip_plan(mask)
+    out = torch.zeros(M, down.N, dtype=down.acc_dtype, device=x.device)
+    if state == "none":
+        return out.to(x.dtype)
+    if state == "dense" or (M <= SMALL_M and runs == [(0, G)]):
+        # Dense, or the union of the tokens' groups is everything (typical for a decode batch):
+        # the dense GEMMs, with the skipped (token, group) activations zeroed in between.
+        h = _swiglu(gu.rows(x, 0, G * 2 * g).view(M, G, 2 * g), g)
+        if state != "dense":
+            h = h * mask[:, :, None].to(x.dtype)
+        down.acc(out, h.reshape(M, G * g), 0, G)
+        return out.to(x.dtype)
+    if M <= SMALL_M:
+        # Union runs: per run one gate/up GEMM, one SwiGLU over all of them, per run one down GEMM.
+        parts = [gu.rows(x, s * 2 * g, e * 2 * g) for s, e in runs]
+        nact = sum(e - s for s, e in runs)
+        h = _swiglu((parts[0] if len(parts) == 1 else torch.cat(parts, 1)).view(M, nact, 2 * g), g)
+        if not uniform:
+            idx = torch.tensor([j for s, e in runs for j in range(s, e)], device=x.device)
+            h = h * mask.index_select(1, idx)[:, :, None].to(h.dtype)
+        h = h.view(M, nact * g)
+        off = 0
+        for s, e in runs:
+            down.acc(out, h[:, off : off + (e - s) * g], s, e)
+            off += (e - s) * g
+        return out.to(x.dtype)
+    order, counts = ops.group_token_lists(mask)
+    for j, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        if n == M:
+            down.acc(out, _swiglu(gu.rows(x, j * 2 * g, (j + 1) * 2 * g), g), j, j + 1)
+        else:
+            idx = order[j, :n]
+            h = _swiglu(gu.rows(x.index_select(0, idx), j * 2 * g, (j + 1) * 2 * g), g)  # [n, g], compact
+            part = torch.zeros(n, down.N, dtype=down.acc_dtype, device=x.device)
+            down.acc(part, h, j, j + 1)
+            out.index_add_(0, idx, part)
+    return out.to(x.dtype)
+
+
+def grouped_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[F, D]`` gate and up -> ``[2F, D]`` group-major: per group its gate rows, then its up rows
+    (a run of adjacent groups is one contiguous block; one GEMM yields both halves)."""
+    F_, D = w_gate.shape
+    G = F_ // group_size
+    return torch.stack([w_gate.reshape(G, group_size, D), w_up.reshape(G, group_size, D)], dim=1).reshape(2 * F_, D)
+
+
+# ----------------------------------------------------------------------------------------------
+# the operator contract (ops.py signatures, HF weight layout); used by tests and by callers that
+# hold HF-layout weights. These entry points lay the weights out on every call (a copy); the
+# backend does that once at load.
+
+
+def float_proj(w: torch.Tensor, axis: str, g: int | None = None) -> Proj:
+    """A float ``Proj`` of the HF-layout ``w [N, K]`` (copied into its layout) in ``w``'s dtype
+    and device, counting into a fresh ``Counter``."""
+    return Proj(w, axis, "float", w.dtype, w.device, Counter(), g)
+
+
+def gemm_mn(a, w, mask, group_size, bias=None):
+    """Work-skipping ``ops.gemm_mn`` (same signature and result)."""
+    return gemm_mn_proj(a, float_proj(w, "n"), mask, group_size, bias)
+
+
+def gemm_k(a, w, mask, group_size, bias=None):
+    """Work-skipping ``ops.gemm_k``."""
+    return gemm_k_proj(a, float_proj(w, "k", group_size), mask, bias)
+
+
+def gemm_mn_swiglu(a, w_gate, w_up, mask, group_size):
+    """Work-skipping ``ops.gemm_mn_swiglu``."""
+    N = w_gate.shape[0]
+    G, g = N // group_size, group_size
+    p = float_proj(grouped_gate_up(w_gate, w_up, g), "n")
+    state = mask_state(mask)
+    M = a.shape[0]
+    if state == "dense":
+        return _swiglu(p.rows(a, 0, 2 * N).view(M, G, 2 * g), g).reshape(M, N)
+    out = torch.zeros(M, N, dtype=a.dtype, device=a.device)
+    if state == "none":
+        return out
+    order, counts = ops.group_token_lists(mask)
+    for j, n in enumerate(counts.tolist()):
+        if n:
+            idx = order[j, :n]
+            out[:, j * g : (j + 1) * g].index_copy_(0, idx, _swiglu(p.rows(a.index_select(0, idx), 2 * j * g, 2 * (j + 1) * g), g))
+    return out
