@@ -61,15 +61,16 @@ def test_generate_errors_are_one_line(tiny_export, tmp_path):
 
 
 def test_bench_flags_reach_the_config(tiny_export, monkeypatch):
-    from wide_cli.runtime import bench
+    from wide_cli.bench import run
+    from wide_cli.bench.report import BenchReport
 
     seen = {}
 
     def fake(path, cfg, log=None):
         seen["cfg"] = cfg
-        return bench.BenchReport(str(path), cfg, [], {"dtype": "float32", "threads": 1}, {}, [])
+        return BenchReport(str(path), cfg, [], {"dtype": "float32", "threads": 1}, {}, [])
 
-    monkeypatch.setattr(bench, "run_bench", fake)
+    monkeypatch.setattr(run, "run_bench", fake)
     args = ["bench", str(tiny_export), "--prefill-lengths", "5,7", "--decode-batches", "3", "--new-tokens", "4",
             "--decode-prompt-len", "6", "--repeats", "2", "--warmup", "0", "--systems", "dense,cpu",
             "--dense-backend", "reference", "--dtype", "bf16", "--threads", "1", "--forced-sparsity", "0.25",
@@ -118,7 +119,8 @@ def test_bench_quick_real_run(tiny_export, tmp_path):
 def test_bench_rows_whose_union_is_everything_do_not_skip(tiny_export):
     """A decode batch whose rows together execute every group runs dense GEMMs plus masking:
     counted, it executes at least the dense multiply-adds, says so and gets no ideal bound."""
-    from wide_cli.runtime.bench import BenchConfig, run_bench
+    from wide_cli.bench.config import BenchConfig
+    from wide_cli.bench.run import run_bench
 
     cfg = BenchConfig(prefill_lengths=(), decode_batches=(16,), new_tokens=2, decode_prompt_len=4, repeats=1,
                       warmup=0, systems=("dense", "cpu"), forced_sparsity=0.3)  # fmt: skip
@@ -131,11 +133,11 @@ def test_bench_rows_whose_union_is_everything_do_not_skip(tiny_export):
 
 def test_bench_weight_bytes_come_from_the_cost_model():
     """The bench's per-token weight bytes and bound are the cost model's (wide_cli.cost)."""
+    from wide_cli.bench.dense_work import decode_cost, weight_bytes
     from wide_cli.cost import cost_model
     from wide_cli.models.arch import model_shape
     from wide_cli.models.tiny import tiny_model
     from wide_cli.routing import RoutingConfig, attach_routers
-    from wide_cli.runtime.bench import decode_cost, weight_bytes
     from wide_cli.runtime.checkpoint import weights_from_model
 
     model = tiny_model("llama")

@@ -57,7 +57,7 @@ def test_gguf_refuses_models_llama_cpp_cannot_run(routed_model, write_export, tm
 @pytest.mark.parametrize("gtype", ["F16", "Q8_0"])
 def test_llama_cpp_greedy_tokens_match_transformers(gtype, routed_model, write_export, tmp_path):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (the optional `llama` extra) is not installed")
-    from wide_cli.runtime.bench import _LlamaCppSystem
+    from wide_cli.bench.systems import LlamaCppSystem
     from wide_cli.runtime.gguf_writer import write_gguf
 
     model = routed_model("llama")
@@ -67,7 +67,7 @@ def test_llama_cpp_greedy_tokens_match_transformers(gtype, routed_model, write_e
     prompt = [5, 17, 33, 60, 61, 62, 90, 12]
     with torch.no_grad():
         want = plain.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
-    llm = _LlamaCppSystem(path, threads=1, n_ctx=64)
+    llm = LlamaCppSystem(path, threads=1, n_ctx=64)
     got = llm.greedy(prompt, 12)
     llm.close()
     if gtype == "F16":

@@ -68,7 +68,8 @@ def measure_speed(targets: list[str], cfg: SpeedConfig, *, log=None) -> dict[str
     ``cfg.repeats`` rounds. Returns ``{target: {decode_tokens_per_s, prefill_tokens_per_s,
     decode_seconds, prefill_seconds, sparsity}}`` (``sparsity``: measured in the decode rounds,
     None when the runtime routes nothing)."""
-    from wide_cli.runtime.bench import _prompts, _RuntimeSystem, text_token_stream
+    from wide_cli.bench.systems import RuntimeSystem
+    from wide_cli.bench.workload import prompt_batch, text_token_stream
     from wide_cli.runtime.engine import Runtime
 
     log = log or (lambda msg: None)
@@ -79,12 +80,12 @@ def measure_speed(targets: list[str], cfg: SpeedConfig, *, log=None) -> dict[str
         log(f"speed: loading {t} on the {cfg.backend} backend")
         rt = Runtime.from_target(t, backend=cfg.backend, dtype=cfg.dtype)
         routed = bool(rt.routing) and _has_routers(rt)
-        systems[t] = _RuntimeSystem(rt, routed, None, cfg.seed)
+        systems[t] = RuntimeSystem(rt, routed, None, cfg.seed)
     tok = next(iter(systems.values())).rt.tokenizer
     stream = text_token_stream(tok, max(cfg.prefill_len, cfg.decode_prompt_len) * 4)
     out = {t: {"decode_seconds": [], "prefill_seconds": [], "sparsity": None} for t in targets}
-    shapes = (("decode", _prompts(stream, 1, cfg.decode_prompt_len, cfg.seed + 1)),
-              ("prefill", _prompts(stream, 1, cfg.prefill_len, cfg.seed + 2)))
+    shapes = (("decode", prompt_batch(stream, 1, cfg.decode_prompt_len, cfg.seed + 1)),
+              ("prefill", prompt_batch(stream, 1, cfg.prefill_len, cfg.seed + 2)))
     for phase, ids in shapes:
         for r in range(cfg.warmup + cfg.repeats):
             for t, s in systems.items():

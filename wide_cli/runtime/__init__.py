@@ -11,8 +11,8 @@ KV cache, skipping routed work for real (DESIGN.md §3).
   ``wide_cli/gpu_check``).
 - ``engine.py``: ``Runtime`` (prefill, decode); ``layer_meta.py`` (what it keeps per layer:
   norms, folded routers), ``sparsity.py`` (its measured sparsity), ``generation.py`` (batched
-  generation); ``kv_cache.py``; ``sampling.py``; ``quant.py`` (weight formats);
-  ``bench.py`` (``wide bench``).
+  generation); ``kv_cache.py``; ``sampling.py``; ``quant.py`` (weight formats).
+  ``wide bench`` is ``wide_cli/bench``.
 
 Importing this package does not import torch-heavy modules: use ``from wide_cli.runtime.engine
 import Runtime``.

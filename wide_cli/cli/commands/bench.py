@@ -1,5 +1,5 @@
 """`wide bench EXPORT`: prefill/decode tokens/s of dense HF transformers, the runtime's dense mode
-and the routed backends, with speedups and the ideal bound (see ``runtime/bench.py``)."""
+and the routed backends, with speedups and the ideal bound (see ``wide_cli/bench``)."""
 
 from __future__ import annotations
 
@@ -89,9 +89,10 @@ def bench_cmd(
 ):
     """Benchmark EXPORT: prefill and decode tokens/s for dense HF, the runtime's dense mode and
     the routed backends, with speedups, measured sparsity and the ideal bound."""
+    from wide_cli.bench.config import BenchConfig
+    from wide_cli.bench.run import run_bench
     from wide_cli.cli import render
     from wide_cli.cli.logging_setup import quiet_libraries
-    from wide_cli.runtime.bench import BenchConfig, run_bench
 
     quiet_libraries()
     given = {

@@ -1,0 +1,43 @@
+"""The dense work a ``wide bench`` row is compared with, from ``wide_cli.cost``: multiply-adds of
+a timed run and weight bytes read per decode token, for a model held as runtime weights."""
+
+from __future__ import annotations
+
+from wide_cli.runtime.backend import ModelWeights
+
+
+def decode_cost(weights: ModelWeights):
+    """The ``decode_bytes`` cost model (``wide_cli.cost``) of a model held as runtime weights."""
+    from wide_cli.cost import cost_model, shape_of_layers
+
+    shape = shape_of_layers(weights.layers, weights.embed.shape[0], weights.embed.shape[1])
+    return cost_model(shape, metric="decode_bytes")
+
+
+def flops_cost(weights: ModelWeights, context_len: float):
+    """The ``flops`` cost model (``wide_cli.cost``) at mean attended context ``context_len``."""
+    from wide_cli.cost import cost_model, shape_of_layers
+
+    shape = shape_of_layers(weights.layers, weights.embed.shape[0], weights.embed.shape[1])
+    return cost_model(shape, metric="flops", context_len=context_len)
+
+
+def dense_macs(weights: ModelWeights, phase: str, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Dense multiply-adds of one timed run (``wide_cli.cost`` FLOPs / 2): decode = ``batch *
+    new_tokens`` tokens at mean context ``prompt_len + (new_tokens + 1) / 2`` (step i reads
+    ``prompt_len + i + 1`` keys); prefill = ``prompt_len`` tokens at context ``(L + 1) / 2`` and
+    one LM head (last-token logits)."""
+    if phase == "decode":
+        cm = flops_cost(weights, prompt_len + (new_tokens + 1) / 2)
+        return batch * new_tokens * cm.dense_total / 2
+    cm = flops_cost(weights, (prompt_len + 1) / 2)
+    return batch * (prompt_len * (cm.dense_total - cm.model_floor) + cm.model_floor) / 2
+
+
+def weight_bytes(weights: ModelWeights, itemsize: float) -> dict:
+    """Dense weight bytes read per decode token, split by what routing can skip
+    (``wide_cli.cost``, ``decode_bytes``): ``{attention_routed, ffn_routed, dense}``."""
+    cm = decode_cost(weights)
+    L = cm.num_layers
+    return {"attention_routed": L * cm.module_cost("attention") * itemsize,
+            "ffn_routed": L * cm.module_cost("ffn") * itemsize, "dense": cm.floor * itemsize}

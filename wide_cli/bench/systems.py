@@ -1,0 +1,145 @@
+"""The systems ``wide bench`` measures, each behind ``prefill(ids) -> seconds`` and
+``decode(ids, steps) -> seconds``: dense Hugging Face transformers, the runtime (any backend and
+weight format, routed or not) and llama.cpp."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from wide_cli.bench.workload import random_forced_masks
+from wide_cli.errors import ConfigError
+
+
+class HFSystem:
+    """Dense Hugging Face transformers, same weights (the export's backbone as a plain model)."""
+
+    routed = False
+
+    def __init__(self, path: Path, dtype: torch.dtype):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).eval()
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor) -> float:
+        from transformers import DynamicCache
+
+        t = time.perf_counter()
+        self.model(input_ids=ids, past_key_values=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - t
+
+    @torch.inference_mode()
+    def decode(self, ids: torch.Tensor, steps: int) -> float:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        t = time.perf_counter()
+        for _ in range(steps):
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            out = self.model(input_ids=nxt, past_key_values=cache, use_cache=True)
+        return time.perf_counter() - t
+
+
+class RuntimeSystem:
+    """The runtime on one backend and weight format, routed or not. ``executed`` holds the
+    multiply-adds of its last timed run: ``(weights + attention + LM head, routers)``."""
+
+    def __init__(self, runtime, routing: bool, forced_sparsity: float | None, seed: int):
+        self.rt = runtime
+        self.routed = routing
+        self.forced_sparsity = forced_sparsity if routing else None
+        self.seed = seed
+        self.executed: tuple[int, int] = (0, 0)
+
+    def _setup(self, batch: int, slots: int):
+        self.rt.routing = self.routed
+        self.rt.forced = {}
+        if self.forced_sparsity is not None:
+            self.rt.forced = random_forced_masks(self.rt, batch, slots, self.forced_sparsity, self.seed)
+
+    def _counted(self) -> None:
+        c = self.rt.counter
+        self.executed = (c.macs + c.attn_macs, c.router_macs)
+
+    def prefill(self, ids: torch.Tensor) -> float:
+        self._setup(ids.shape[0], ids.shape[1])
+        cache = self.rt.new_cache(ids.shape[0], ids.shape[1])
+        self.rt.counter.reset()
+        t = time.perf_counter()
+        self.rt.step(ids, None, cache)
+        t = time.perf_counter() - t
+        self._counted()
+        return t
+
+    def decode(self, ids: torch.Tensor, steps: int) -> float:
+        B, P = ids.shape
+        self._setup(B, P + steps)
+        cache = self.rt.new_cache(B, P + steps)
+        logits = self.rt.step(ids, None, cache)
+        self.rt.counter.reset()
+        t = time.perf_counter()
+        for _ in range(steps):
+            logits = self.rt.step(logits.argmax(-1, keepdim=True), None, cache)
+        t = time.perf_counter() - t
+        self._counted()
+        return t
+
+
+class LlamaCppSystem:
+    """llama.cpp through ``llama-cpp-python`` on a GGUF of the export's dense weights (batch 1).
+
+    The context is created once with ``n_batch = n_ubatch = n_ctx``, so a prompt is one batch;
+    logits are kept for the last token only (as the other systems compute them)."""
+
+    routed = False
+
+    def __init__(self, gguf_path: Path, threads: int, n_ctx: int):
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise ConfigError(
+                "system 'llama.cpp' needs llama-cpp-python, which is not installed",
+                "install the llama extra: pip install -e '.[llama]' (compiles llama.cpp, ~20 min on 2 cores)",
+            ) from None
+        n = max(threads, 1) if threads else None
+        self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=n,
+                         n_threads_batch=n, logits_all=False, verbose=False)  # fmt: skip
+
+    def _last_logits(self):
+        # llama-cpp-python copies no logits without logits_all; read the context's last row (a
+        # view of llama.cpp's buffer, no copy)
+        import numpy as np
+
+        return np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.llm.n_vocab(),))
+
+    def prefill(self, ids: torch.Tensor) -> float:
+        self.llm.reset()
+        t = time.perf_counter()
+        self.llm.eval(ids[0].tolist())
+        return time.perf_counter() - t
+
+    def decode(self, ids: torch.Tensor, steps: int) -> float:
+        self.llm.reset()
+        self.llm.eval(ids[0].tolist())
+        t = time.perf_counter()
+        for _ in range(steps):
+            self.llm.eval([int(self._last_logits().argmax())])
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        """Free the model now (llama-cpp-python's own finalizer fails at interpreter exit)."""
+        self.llm.close()
+
+    def greedy(self, ids: list[int], steps: int) -> list[int]:
+        """Greedy continuation of ``ids`` (``steps`` tokens), for equivalence tests."""
+        self.llm.reset()
+        self.llm.eval(list(ids))
+        out = []
+        for _ in range(steps):
+            out.append(int(self._last_logits().argmax()))
+            self.llm.eval([out[-1]])
+        return out
