@@ -3,10 +3,20 @@ the cost-weighted skip fraction against a hand count, and the DESIGN.md §3 deco
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from wide_cli.cost import cost_model, decode_speedup_bound, flops_report, layers_to_drop
+from wide_cli.cost import (
+    cost_model,
+    decode_speedup_bound,
+    flops_report,
+    fraction_after,
+    hybrid_export_cost,
+    layers_to_drop,
+    static_depth_export_cost,
+)
 from wide_cli.models.arch import ModelShape, model_shape
 
 SMOLLM2 = ModelShape(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -139,3 +149,31 @@ def test_unreachable_cost_targets_name_the_range():
     cm.check_cost_target(0.5)
     with pytest.raises(ValueError, match="not reachable by removing layers"):
         layers_to_drop(cm, 0.2, range(30))
+
+
+def test_static_depth_export_cost_is_against_the_source_depth():
+    """An export with 10 of SmolLM2's 30 layers removed costs the kept layers plus the floor, over
+    the 30-layer model (not over its own 20 layers)."""
+    export_shape = replace(SMOLLM2, num_layers=20)
+    wc = {"static_depth": {"num_layers": 30, "removed": list(range(10))}}
+    flops, bound = static_depth_export_cost(wc, export_shape, seq_len=256)
+    f = cost_model(SMOLLM2, metric="flops", seq_len=256)
+    b = cost_model(SMOLLM2, metric="decode_bytes")
+    assert flops["relative"] == pytest.approx(fraction_after(f, 10))
+    assert flops["dense_flops_per_token"] == pytest.approx(f.dense_total)
+    assert flops["routed_flops_per_token"] == pytest.approx(f.dense_total - 10 * f.layer_cost)
+    assert flops["router_flops_per_token"] == 0.0 and flops["context_len"] == f.context_len
+    assert bound == pytest.approx(b.dense_total / (b.dense_total - 10 * b.layer_cost))
+
+
+def test_hybrid_export_cost_routes_the_kept_layers_against_the_source():
+    """Dense kept layers give the static-depth numbers; routing them lowers the cost further."""
+    export_shape = replace(SMOLLM2, num_layers=24)
+    wc = {"dropped_layers": {"num_layers": 30}}
+    flops, bound = hybrid_export_cost(wc, export_shape, None, seq_len=256)
+    f = cost_model(SMOLLM2, metric="flops", seq_len=256)
+    assert flops["relative"] == pytest.approx(fraction_after(f, 6))
+    assert bound == pytest.approx(1 / fraction_after(cost_model(SMOLLM2, metric="decode_bytes"), 6))
+    routed, routed_bound = hybrid_export_cost(wc, export_shape, {"attention": 0.5, "ffn": 0.5}, seq_len=256)
+    assert routed["relative"] < flops["relative"] and routed_bound > bound
+    assert routed["dense_flops_per_token"] == pytest.approx(f.dense_total)

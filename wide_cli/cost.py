@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -336,6 +336,56 @@ def shape_of_layers(layers: Sequence, vocab_size: int, hidden_size: int) -> Mode
     return ModelShape(num_layers=len(layers), hidden_size=hidden_size, num_heads=lw.num_heads,
                       num_kv_heads=lw.num_kv_heads, head_dim=lw.head_dim,
                       intermediate_size=lw.intermediate_size, vocab_size=vocab_size, model_type="llama")
+
+
+def fraction_after(cm: CostModel, removed: int) -> float:
+    """Cost fraction of dense with ``removed`` whole decoder layers gone (their floors too)."""
+    return (cm.model_floor + cm.layer_cost * (cm.num_layers - removed)) / cm.dense_total
+
+
+def static_depth_export_cost(wide_config: Mapping, shape: ModelShape, *, seq_len: int) -> tuple[dict, float]:
+    """Cost of a static-depth export against its source model (``shape`` is the export's, with
+    fewer layers; the source's layer count and the removed layers are in
+    ``wide_config["static_depth"]``).
+
+    Returns:
+        ``(flops, decode_bound)``: ``flops`` with the keys of ``flops_report`` that reports use
+        (``relative``, ``dense_flops_per_token``, ``routed_flops_per_token``,
+        ``router_flops_per_token``, ``context_len``); ``decode_bound`` = dense / kept decode bytes.
+    """
+    sel = wide_config["static_depth"]
+    source = replace(shape, num_layers=int(sel["num_layers"]))
+    removed = len(sel["removed"])
+    f = cost_model(source, metric="flops", seq_len=seq_len)
+    b = cost_model(source, metric="decode_bytes", seq_len=seq_len)
+    rel = fraction_after(f, removed)
+    flops = {"relative": rel, "dense_flops_per_token": f.dense_total, "routed_flops_per_token": f.dense_total * rel,
+             "router_flops_per_token": 0.0, "context_len": f.context_len}
+    return flops, 1.0 / fraction_after(b, removed)
+
+
+def hybrid_export_cost(wide_config: Mapping, shape: ModelShape, sparsity: Mapping | None, *, seq_len: int,
+                       routers: Mapping | None = None) -> tuple[dict, float]:
+    """Cost of a hybrid export (``wide_config["dropped_layers"]``: whole layers removed, the rest
+    routed) against its source model: the routed cost of the kept layers at ``sparsity`` over the
+    source's dense cost.
+
+    Args:
+        routers: ``flops_report``'s router keywords (``router_rank``, ``attn_groups``,
+            ``ffn_groups``) to count router overhead; None = not counted.
+
+    Returns:
+        ``(flops, decode_bound)`` like ``static_depth_export_cost``.
+    """
+    sel = wide_config["dropped_layers"]
+    source = replace(shape, num_layers=int(sel["num_layers"]))
+    kept = flops_report(shape, sparsity, seq_len=seq_len, **(routers or {}))
+    full = cost_model(source, metric="flops", seq_len=seq_len).dense_total
+    flops = {**kept, "relative": kept["routed_flops_per_token"] / full, "dense_flops_per_token": full}
+    b_kept = cost_model(shape, metric="decode_bytes")
+    b_full = cost_model(source, metric="decode_bytes").dense_total
+    routed_bytes = b_kept.dense_total * (1.0 - b_kept.skip_from_summary(sparsity))
+    return flops, b_full / routed_bytes
 
 
 def layers_to_drop(cm: CostModel, cost: float, order: Iterable[int]) -> list[int]:

@@ -12,6 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from wide_cli.cli.app import app, main
+from wide_cli.cost import fraction_after
 from wide_cli.errors import ConfigError
 from wide_cli.models import depth
 from wide_cli.models.arch import model_shape
@@ -29,8 +30,8 @@ def test_routed_cost_target_is_the_whole_model_target_over_the_depth_fraction():
     kept = kept_shape(shape, 2)
     assert kept.num_layers == 4
     # the layer-pruned model costs what static depth computes for two removed layers
-    assert cfg.depth_fraction(kept, 32) == pytest.approx(sd.fraction_after(cm, 2))
-    assert cfg.routed_cost_target(kept, 32) == pytest.approx(0.5 / sd.fraction_after(cm, 2))
+    assert cfg.depth_fraction(kept, 32) == pytest.approx(fraction_after(cm, 2))
+    assert cfg.routed_cost_target(kept, 32) == pytest.approx(0.5 / fraction_after(cm, 2))
     assert RoutingConfig(cost_target=0.5).routed_cost_target(shape, 32) == 0.5
     assert RoutingConfig(drop_layers=2).routed_cost_target(kept, 32) is None
     cfg.check_reachable(shape, 32)  # 0.5 is between routing's floor and the depth fraction
@@ -44,7 +45,7 @@ def test_drop_layers_bad_values_name_the_value_and_the_range():
         RoutingConfig(drop_layers=-1)
     with pytest.raises(ConfigError, match="applies to --method wide or dynamic-depth, not static-depth"):
         RoutingConfig(method="static-depth", drop_layers=2)
-    depth = sd.fraction_after(sd.depth_cost(shape, metric="flops", seq_len=32), 2)
+    depth = fraction_after(sd.depth_cost(shape, metric="flops", seq_len=32), 2)
     with pytest.raises(ConfigError) as e:
         RoutingConfig(cost_target=0.95, drop_layers=2).check_reachable(shape, 32)
     assert f"removing 2 of 6 layers costs {depth:.3f} of dense" in str(e.value)

@@ -11,6 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from wide_cli.cli.app import app, main
+from wide_cli.cost import fraction_after
 from wide_cli.models import depth
 from wide_cli.models.arch import model_shape
 from wide_cli.models.tiny import tiny_model
@@ -49,10 +50,10 @@ def test_layer_selection_removes_the_least_influential_until_the_cost_is_met():
     cm = sd.depth_cost(shape, metric="flops", seq_len=32)
     bi = torch.tensor([0.9, 0.1, 0.5, 0.05, 0.3, 0.7], dtype=torch.float64)
     # exactly two layers' cost: the two lowest-BI layers go
-    assert sd.layers_to_remove(bi, cm, sd.fraction_after(cm, 2)) == [1, 3]
+    assert sd.layers_to_remove(bi, cm, fraction_after(cm, 2)) == [1, 3]
     # a target between two and three layers' cost needs three
-    assert sd.layers_to_remove(bi, cm, (sd.fraction_after(cm, 2) + sd.fraction_after(cm, 3)) / 2) == [1, 3, 4]
-    assert sd.fraction_after(cm, 0) == pytest.approx(1.0)
+    assert sd.layers_to_remove(bi, cm, (fraction_after(cm, 2) + fraction_after(cm, 3)) / 2) == [1, 3, 4]
+    assert fraction_after(cm, 0) == pytest.approx(1.0)
     # a whole layer and the fixed part, by hand from the FLOPs formula (C = 16.5 at seq_len 32)
     D, H, Hkv, d, F, V = 64, 4, 2, 16, 128, shape.vocab_size
     per_layer = 2 * D * H * d + 4 * D * Hkv * d + 4 * H * d * 16.5 + 2 * H * d * D + 6 * D * F
@@ -60,7 +61,7 @@ def test_layer_selection_removes_the_least_influential_until_the_cost_is_met():
     assert cm.model_floor == pytest.approx(2 * D * V)
     b = sd.depth_cost(shape, metric="decode_bytes")
     assert b.layer_cost == pytest.approx(2 * D * H * d + 2 * D * Hkv * d + 3 * D * F + 2 * D)
-    assert sd.fraction_after(b, 6) == pytest.approx((V * D + 2 * D) / (V * D + 2 * D + 6 * b.layer_cost))
+    assert fraction_after(b, 6) == pytest.approx((V * D + 2 * D) / (V * D + 2 * D + 6 * b.layer_cost))
 
 
 def test_unreachable_cost_target_names_value_and_range():
@@ -68,7 +69,7 @@ def test_unreachable_cost_target_names_value_and_range():
 
     shape = model_shape(tiny_model("llama", num_hidden_layers=6).config)
     cm = sd.depth_cost(shape, metric="flops", seq_len=32)
-    lo = sd.fraction_after(cm, 5)
+    lo = fraction_after(cm, 5)
     with pytest.raises(ConfigError) as e:
         sd.layers_to_remove(torch.zeros(6), cm, lo / 2, model_name="m")
     msg = str(e.value)

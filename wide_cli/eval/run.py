@@ -185,7 +185,7 @@ def eval_text_file(model, tokenizer, path: Path, *, seq_len: int, stride: int | 
 def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     """Run every task of ``plan`` on one loaded target; returns its report row (no reference
     columns yet; ``build_report`` adds them)."""
-    from wide_cli.cost import decode_speedup_bound, flops_report
+    from wide_cli.cost import decode_speedup_bound, flops_report, hybrid_export_cost, static_depth_export_cost
     from wide_cli.eval import progress
     from wide_cli.eval.wikitext import evaluate_wikitext
     from wide_cli.eval.zeroshot import evaluate_task
@@ -233,12 +233,8 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     flops = flops_report(shape, sparsity, seq_len=seq_len, **router)
     bound = decode_speedup_bound(shape, sparsity)
     if wcfg.get("method") == "static-depth":  # relative to the source model, whose layers it removed
-        from wide_cli.pipeline.static_depth import export_cost
-
-        flops, bound = export_cost(wcfg, shape, seq_len=seq_len)
+        flops, bound = static_depth_export_cost(wcfg, shape, seq_len=seq_len)
     elif wcfg.get("dropped_layers"):  # hybrid: routed layers of a layer-pruned source, against the source
-        from wide_cli.pipeline.static_depth import hybrid_export_cost
-
         flops, bound = hybrid_export_cost(wcfg, shape, sparsity, seq_len=seq_len, routers=router)
     return {
         "name": target.name,

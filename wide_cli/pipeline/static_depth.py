@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from wide_cli.cost import fraction_after
 from wide_cli.errors import ConfigError
 from wide_cli.models.depth import drop_for_hybrid, is_layer_pruned, prune_copy, remove_layers
 from wide_cli.routing.config import RoutingConfig
@@ -101,11 +102,6 @@ def depth_cost(shape, *, metric: str = "flops", seq_len: int = 256):
     return cost.cost_model(shape, metric=metric, seq_len=seq_len)
 
 
-def fraction_after(cm, removed: int) -> float:
-    """Cost fraction of dense with ``removed`` layers gone."""
-    return (cm.model_floor + cm.layer_cost * (cm.num_layers - removed)) / cm.dense_total
-
-
 def layers_to_remove(influence: torch.Tensor, cm, target: float, *, model_name: str = "the model") -> list[int]:
     """The least influential layers to remove so that the cost is at most ``target`` of dense
     (the fewest that meet it; ties in Block Influence: the later layer first).
@@ -139,27 +135,6 @@ def layers_to_remove(influence: torch.Tensor, cm, target: float, *, model_name: 
     return sorted(cost.layers_to_drop(cm, target + 1e-9, influence_order(influence)))
 
 
-def export_cost(wide_config: dict, shape, *, seq_len: int) -> tuple[dict, float]:
-    """Cost of a static-depth export against its source model (``shape`` is the export's, with
-    fewer layers; the source's layer count is in ``wide_config["static_depth"]``).
-
-    Returns:
-        ``(flops, decode_bound)``: ``flops`` with the keys of ``wide_cli.cost.flops_report`` that
-        reports use (``relative``, ``dense_flops_per_token``, ``routed_flops_per_token``,
-        ``router_flops_per_token``, ``context_len``); ``decode_bound`` = dense / kept decode bytes.
-    """
-    sel = wide_config["static_depth"]
-    source = dataclasses.replace(shape, num_layers=int(sel["num_layers"]))
-    removed = len(sel["removed"])
-    f = depth_cost(source, metric="flops", seq_len=seq_len)
-    b = depth_cost(source, metric="decode_bytes", seq_len=seq_len)
-    rel = fraction_after(f, removed)
-    flops = {"relative": rel, "dense_flops_per_token": f.dense_total, "routed_flops_per_token": f.dense_total * rel,
-             "router_flops_per_token": 0.0, "context_len": f.context_len}
-    return flops, 1.0 / fraction_after(b, removed)
-
-
-# ----------------------------------------------------------------------------- the smaller model
 # ----------------------------------------------------------------------------- pipeline
 SELECTION_FILE = "static_depth.json"
 
@@ -367,27 +342,6 @@ def hybrid_selection(settings, model, packed_train: torch.Tensor, *, previous: d
         "cost_metric": settings.routing.cost_metric,
         "cost_fraction": settings.routing.depth_fraction(kept_shape(shape, n), settings.train.seq_len),
     }
-
-
-def hybrid_export_cost(wide_config: dict, shape, sparsity, *, seq_len: int, routers: dict | None = None):
-    """Cost of a hybrid export (``wide_config["dropped_layers"]``) against its source model:
-    the routed cost of the kept layers at ``sparsity`` over the source's dense cost.
-
-    Returns:
-        ``(flops, decode_bound)`` like ``export_cost``.
-    """
-    from wide_cli.cost import cost_model, flops_report
-    from wide_cli.routing.config import kept_shape
-
-    sel = wide_config["dropped_layers"]
-    source = kept_shape(shape, shape.num_layers - int(sel["num_layers"]))
-    kept = flops_report(shape, sparsity, seq_len=seq_len, **(routers or {}))
-    full = cost_model(source, metric="flops", seq_len=seq_len).dense_total
-    flops = {**kept, "relative": kept["routed_flops_per_token"] / full, "dense_flops_per_token": full}
-    b_kept = cost_model(shape, metric="decode_bytes")
-    b_full = cost_model(source, metric="decode_bytes").dense_total
-    routed_bytes = b_kept.dense_total * (1.0 - b_kept.skip_from_summary(sparsity))
-    return flops, b_full / routed_bytes
 
 
 def apply_drop_layers(settings, run, loaded, *, packed=None) -> dict | None:
