@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from wide_cli.errors import CheckpointError, ConfigError
+from wide_cli.quant import dequantize_int8, quantize_int8
 from wide_cli.runtime.engine import Runtime
-from wide_cli.runtime.quant import dequantize_int8, quantize_int8
 
 REL_ATOL = 0.03
 

@@ -26,8 +26,6 @@ from wide_cli.routing.model import router_state_dict
 from wide_cli.version import __version__
 
 FORMAT_VERSION = 1
-INT8_SCHEME = ("symmetric int8, per output row (q/k/v, gate/up, embeddings, lm_head) and per row and routed group "
-               "of the reduction axis (o_proj, down_proj); NAME_scale [N, K / group] fp32, weight = q * scale")
 EXPORT_FORMATS = ("wide", "hf")
 
 
@@ -90,7 +88,7 @@ def export_model(
 
             extra = write_hf(model, tokenizer, tmp, export_id=export_id, max_shard_size=max_shard_size)
         elif weight_format == "int8":
-            from wide_cli.runtime.quant import quantize_state_dict
+            from wide_cli.quant import INT8_SCHEME, quantize_state_dict
 
             st = model.wide_routing
             qsd = quantize_state_dict(

@@ -356,7 +356,7 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
         raise ConfigError(f"{path} is a physically narrowed static-width hf export, which the runtime does not run",
                           "run the `--format wide` export of the same run (`wide export --run-dir R`)")
     info = RoutingInfo.from_wide_config(wcfg)
-    from wide_cli.runtime.quant import dequantize_state_dict
+    from wide_cli.quant import dequantize_state_dict
 
     tensors, quantized = dequantize_state_dict(read_backbone(path), str(path / "model.safetensors"))
     check_config_matches(config, {k: tuple(v.shape) for k, v in tensors.items()}, config_file=path / "config.json",

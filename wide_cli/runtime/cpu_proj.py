@@ -35,7 +35,8 @@ class Proj:
 
     def __init__(self, w: torch.Tensor, axis: str, fmt: str, dtype: torch.dtype, device, counter: Counter,
                  g: int | None = None, what: str = "projection"):
-        from wide_cli.runtime.quant import check_int8_width, quantize_int8
+        from wide_cli.quant import quantize_int8
+        from wide_cli.runtime.quant import check_int8_width
 
         self.axis, self.fmt, self.counter = axis, fmt, counter
         self.int8 = fmt == "int8"

@@ -148,7 +148,7 @@ class Runtime:
         self.hidden_size = weights.embed.shape[1]
         embed = weights.embed
         if fmt == "int8":  # the embedding rows an int8 export stores (per-row int8), for lookups too
-            from wide_cli.runtime.quant import dequantize_int8, quantize_int8
+            from wide_cli.quant import dequantize_int8, quantize_int8
 
             embed = dequantize_int8(*quantize_int8(embed))
         self.embed = embed.to(dev, self.dtype)

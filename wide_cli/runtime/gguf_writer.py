@@ -76,7 +76,7 @@ def write_gguf(export_dir, out_path, gguf_type: str = "F16") -> Path:
 
     from wide_cli.artifacts import read_backbone
     from wide_cli.models.loader import load_tokenizer
-    from wide_cli.runtime.quant import dequantize_state_dict
+    from wide_cli.quant import dequantize_state_dict
 
     if gguf_type not in GGUF_TYPES:
         raise ConfigError(f"unknown GGUF type {gguf_type!r}", f"choose one of {', '.join(GGUF_TYPES)}")
