@@ -304,13 +304,9 @@ def attention_prefill(q, k, v, head_mask, *, key_valid=None, q_offset=0, scale, 
             q, k, v, head_mask, key_valid=key_valid, q_offset=q_offset, scale=scale, window=window
         )
 
+    ops.check_prefill_shapes(q, k, v, head_mask, q_offset)
     B, T, H, d = q.shape
     S, Hkv = k.shape[1], k.shape[2]
-    assert H % Hkv == 0, f"{H} query heads vs {Hkv} KV heads"
-    assert S >= q_offset + T, f"{S} key slots < q_offset {q_offset} + {T} queries"
-    assert v.shape == k.shape
-    if head_mask is not None:
-        assert tuple(head_mask.shape) == (B, T, H), f"head_mask {tuple(head_mask.shape)} != {(B, T, H)}"
     why = _why_not(q, k, v)
     if why is None and (d % 16 or d > 256):
         why = f"head dim {d} is not a multiple of 16 up to 256"
@@ -352,12 +348,10 @@ def attention_decode(q, k_cache, v_cache, head_mask, key_valid, *, scale, window
     def ref():
         return ops.attention_decode(q, k_cache, v_cache, head_mask, key_valid, scale=scale, window=window)
 
+    ops.check_decode_shapes(q, k_cache, head_mask, key_valid)
     B, H, d = q.shape
-    Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
+    Hkv = k_cache.shape[1]
     S = key_valid.shape[1]
-    assert S <= S_max and H % Hkv == 0
-    if head_mask is not None:
-        assert tuple(head_mask.shape) == (B, H)
     hq = H // Hkv
     why = _why_not(q, k_cache, v_cache)
     if why is None and d not in DECODE_HEAD_DIMS:

@@ -215,6 +215,30 @@ def gemm_k(
 # attention
 
 
+def check_prefill_shapes(q, k, v, head_mask, q_offset: int) -> None:
+    """Assert the shapes ``attention_prefill`` takes (every backend checks the same things):
+    ``q [B, T, H, d]``, ``k``/``v [B, S, H_kv, d]`` with ``H_kv`` dividing ``H`` and
+    ``S >= q_offset + T``, ``head_mask [B, T, H]`` or None."""
+    B, T, H, _ = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    assert H % Hkv == 0, f"{H} query heads vs {Hkv} KV heads"
+    assert S >= q_offset + T, f"{S} key slots < q_offset {q_offset} + {T} queries"
+    assert v.shape == k.shape
+    if head_mask is not None:
+        assert tuple(head_mask.shape) == (B, T, H), f"head_mask {tuple(head_mask.shape)} != {(B, T, H)}"
+
+
+def check_decode_shapes(q, k_cache, head_mask, key_valid) -> None:
+    """Assert the shapes ``attention_decode`` takes: ``q [B, H, d]``, ``k_cache [B, H_kv, S_max,
+    d]`` with ``H_kv`` dividing ``H``, ``key_valid [B, S]`` with ``S <= S_max``, ``head_mask [B, H]``
+    or None."""
+    B, H, _ = q.shape
+    Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
+    assert key_valid.shape[1] <= S_max and H % Hkv == 0
+    if head_mask is not None:
+        assert tuple(head_mask.shape) == (B, H)
+
+
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -260,13 +284,8 @@ def attention_prefill(
         executing (token, head) pairs; exact zeros for skipped pairs and for queries that see no
         valid key (padding queries).
     """
-    B, T, H, _ = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
-    assert H % Hkv == 0, f"{H} query heads vs {Hkv} KV heads"
-    assert S >= q_offset + T, f"{S} key slots < q_offset {q_offset} + {T} queries"
-    assert v.shape == k.shape
-    if head_mask is not None:
-        assert tuple(head_mask.shape) == (B, T, H), f"head_mask {tuple(head_mask.shape)} != {(B, T, H)}"
+    check_prefill_shapes(q, k, v, head_mask, q_offset)
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
     vis = key_visibility(B, T, S, q_offset, key_valid, window, q.device)
     out = _attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), vis, scale)  # [B, H, T, d]
     out = out.transpose(1, 2)  # [B, T, H, d]
@@ -300,12 +319,8 @@ def attention_decode(
     Returns:
         ``[B, H, d]``, dtype of ``q``; exact zeros for skipped (row, head) pairs.
     """
-    B, H, _ = q.shape
-    Hkv, S_max = k_cache.shape[1], k_cache.shape[2]
-    S = key_valid.shape[1]
-    assert S <= S_max and H % Hkv == 0
-    if head_mask is not None:
-        assert tuple(head_mask.shape) == (B, H)
+    check_decode_shapes(q, k_cache, head_mask, key_valid)
+    B, S = q.shape[0], key_valid.shape[1]
     vis = key_visibility(B, 1, S, S - 1, key_valid, window, q.device)  # [B, 1, S]
     out = _attend(q.unsqueeze(2), k_cache[:, :, :S], v_cache[:, :, :S], vis, scale)  # [B, H, 1, d]
     out = out.squeeze(2)
