@@ -388,3 +388,17 @@ def test_bf16_cpu_close_to_reference(prompts_ids, routed_model, random_masks):
         # bf16 keeps ~3 significant digits: HF's own bf16 model is 1.6 % of the logit range off its
         # fp32 logits here; allow 3 %.
         torch.testing.assert_close(got[mask], want[mask], atol=0.03 * float(want.abs().max()), rtol=0)
+
+
+def test_qkv_bias_fills_a_missing_bias_with_zeros():
+    """A fused QKV projection's bias: Q, K and V biases in row order, zeros for a missing one."""
+    from wide_cli.runtime.backend import LayerWeights
+
+    D, d = 8, 4
+    w = {n: torch.randn(rows, D) for n, rows in (("wq", 2 * d), ("wk", d), ("wv", d))}
+    lw = LayerWeights(index=0, **w, wo=torch.randn(D, 2 * d), w_gate=torch.randn(6, D), w_up=torch.randn(6, D),
+                      w_down=torch.randn(D, 6), ln_attn=torch.ones(D), ln_ffn=torch.ones(D), head_dim=d,
+                      attn_group_size=1, ffn_group_size=3)  # fmt: skip
+    assert lw.qkv_bias() is None
+    lw.bq, lw.bv = torch.ones(2 * d), torch.full((d,), 2.0)
+    assert torch.equal(lw.qkv_bias(), torch.cat([torch.ones(2 * d), torch.zeros(d), torch.full((d,), 2.0)]))

@@ -109,6 +109,16 @@ class LayerWeights:
     def ffn_groups(self) -> int:
         return self.intermediate_size // self.ffn_group_size
 
+    def qkv_bias(self) -> torch.Tensor | None:
+        """The Q, K and V biases as one ``[(H + 2 H_kv) d]`` vector, the bias of a fused QKV
+        projection (zeros where one of them is missing), or None when the layer has none."""
+        if all(b is None for b in (self.bq, self.bk, self.bv)):
+            return None
+        return torch.cat([
+            b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype)
+            for b, w in ((self.bq, self.wq), (self.bk, self.wk), (self.bv, self.wv))
+        ])  # fmt: skip
+
 
 @dataclass
 class ModelWeights:

@@ -106,13 +106,9 @@ class CpuBackend:
         fmt, dev, c = self.weights, self.device, self.counter
         g = layer.ffn_group_size
         i = layer.index
-        bqkv = None
-        if any(b is not None for b in (layer.bq, layer.bk, layer.bv)):
-            parts = [
-                b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype)
-                for b, w in ((layer.bq, layer.wq), (layer.bk, layer.wk), (layer.bv, layer.wv))
-            ]
-            bqkv = t(torch.cat(parts)).contiguous()
+        bqkv = layer.qkv_bias()
+        if bqkv is not None:
+            bqkv = t(bqkv).contiguous()
         cols = layer.attn_group_size * layer.head_dim
         return _CpuLayer(
             qkv=Proj(torch.cat([layer.wq, layer.wk, layer.wv]), "n", fmt, dtype, dev, c,

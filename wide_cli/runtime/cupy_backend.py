@@ -71,13 +71,9 @@ class CupyBackend:
         def t(x):
             return x.to(device=self.device, dtype=dtype)
 
-        bqkv = None
-        if any(b is not None for b in (layer.bq, layer.bk, layer.bv)):
-            parts = [
-                b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype)
-                for b, w in ((layer.bq, layer.wq), (layer.bk, layer.wk), (layer.bv, layer.wv))
-            ]
-            bqkv = t(torch.cat(parts)).contiguous()
+        bqkv = layer.qkv_bias()
+        if bqkv is not None:
+            bqkv = t(bqkv).contiguous()
         return _GpuLayer(
             wqkv=t(torch.cat([layer.wq, layer.wk, layer.wv])).contiguous(),
             bqkv=bqkv,
