@@ -145,7 +145,7 @@ class CpuBackend:
         bq = bkv = None
         if p.bqkv is not None:
             bq, bkv = p.bqkv[:nq], p.bqkv[nq:]
-        kv = p.qkv.rows(x, nq, p.qkv.N)  # dense: every token's K/V (B06)
+        kv = p.qkv.rows(x, nq, p.qkv.N)  # dense: every token's K/V (later tokens read them)
         if bkv is not None:
             kv.add_(bkv)
         q = gemm_mn_proj(x, p.qkv, mask, p.attn_cols, bq, plan)

@@ -9,8 +9,9 @@ PyTorch; the routed work through the backend. No Hugging Face modeling code runs
 
 Routing (DESIGN.md §1, ``routing/layer.py``): the attention router reads the residual stream
 entering the layer, the FFN router the residual stream after the attention add; a group executes
-iff logit0 >= logit1. K/V are computed and cached for every token (B06). Padding tokens skip every
-group (their outputs are never visible) and are not counted in the measured sparsity (B09).
+iff logit0 >= logit1. K/V are computed and cached for every token (a later token may attend to a
+head this one skipped). Padding tokens skip every group (their outputs are never visible) and are
+not counted in the measured sparsity.
 """
 
 from __future__ import annotations
@@ -178,7 +179,9 @@ class Runtime:
     @classmethod
     def from_export(cls, path, *, backend: Backend | str = "cpu", dtype=None, routing: bool = True,
                     verify: bool = True, allow_extra: bool = False, weight_format: str | None = None) -> Runtime:
-        """Load an export directory (manifest verified first, strict tensor names; B14, B30).
+        """Load an export directory (manifest verified first; strict tensor names, so a
+        misnamed tensor is an error rather than a weight left random; a tied model needs no
+        ``lm_head.weight``).
 
         ``weight_format`` (``fp32``, ``bf16``, ``int8``) defaults to the export's stored format
         (``fp32`` for a float export, unless ``dtype`` is bf16).
@@ -234,7 +237,8 @@ class Runtime:
     def from_tensors(cls, config, tensors: dict, *, routers: dict | None = None, wide_config: dict | None = None,
                      backend: Backend | str = "cpu", dtype=None, tokenizer=None, routing: bool = True,
                      allow_extra: bool = False) -> Runtime:
-        """Build from HF-named ``tensors`` and a HF ``config`` (e.g. a physically pruned layer, B05)."""
+        """Build from HF-named ``tensors`` and a HF ``config`` (e.g. a physically pruned layer:
+        sizes come from the tensors, not the config)."""
         weights = weights_from_tensors(config, tensors, routers or {}, wide_config, allow_extra=allow_extra)
         return cls(weights, backend, dtype=dtype, tokenizer=tokenizer, routing=routing)
 
@@ -257,7 +261,7 @@ class Runtime:
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache for ``batch`` rows and ``max_len`` slots, one buffer pair per layer with
-        that layer's KV-head count (B06)."""
+        that layer's KV-head count (a pruned layer may have fewer)."""
         return KVCache(
             batch, max_len, [m.num_kv_heads for m in self.meta], [m.head_dim for m in self.meta],
             dtype=self.dtype, device=self.device,
@@ -303,10 +307,10 @@ class Runtime:
         h = rms_norm(x, m.ln_attn, self.eps).reshape(M, D)
         q, k, v = be.attn_in(p, h, mflat)
         q, k, v = q.reshape(B, T, H, d), k.reshape(B, T, Hkv, d), v.reshape(B, T, Hkv, d)
-        if m.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE (B16)
+        if m.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
             q, k = rms_norm(q, m.q_norm, self.eps), rms_norm(k, m.k_norm, self.eps)
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-        cache.write(i, k, v, ctx.start)  # every token, whatever its routing (B06)
+        cache.write(i, k, v, ctx.start)  # every token, whatever its routing: later tokens read it
         head_mask = None if ex is None else ex.repeat_interleave(m.attn_group_size, dim=-1)  # [B, T, H]
         scale = d**-0.5
         if T == 1:
@@ -335,7 +339,8 @@ class Runtime:
         Args:
             input_ids: ``[B, T]`` int64 (T = 1 is a decode step).
             valid: ``[B, T]`` bool, False for padding (left or right); None = all real.
-            cache: from ``new_cache``; positions continue from what it holds (B09).
+            cache: from ``new_cache``; each row's positions continue from the real tokens
+                it holds.
             logits: ``last`` -> ``[B, V]`` at each row's last real token of the block, ``all`` ->
                 ``[B, T, V]``, ``none`` -> None.
 
@@ -343,7 +348,8 @@ class Runtime:
             fp32 logits.
 
         Raises:
-            DataError: a token id outside the vocabulary (B23).
+            DataError: a token id outside the vocabulary (an embedding lookup would
+                read out of bounds).
         """
         from wide_cli.models.loader import check_token_ids
 

@@ -120,7 +120,8 @@ def generate(
         sampling: greedy by default.
         stop: stop strings; the text is cut before the first one (needs the tokenizer).
         ignore_eos: keep generating through EOS (benchmarks).
-        padding_side: ``left`` or ``right``; results do not depend on it (B09).
+        padding_side: ``left`` or ``right``; results do not depend on it (positions are
+            per row and padding is never counted).
         on_text: called as ``on_text(row, text_delta)`` while tokens stream in.
         prefill_chunk: prompt tokens per forward (bounds activation memory of long prompts;
             None = the whole prompt at once). Results do not depend on it.
