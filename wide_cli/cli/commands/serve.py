@@ -58,6 +58,13 @@ def serve_cmd(
     name = opts.served_model_name or plan.path.name
 
     def ready():
+        # stderr first: a client that reads the URL from stdout and stops the server at once has
+        # still been told what was served
+        print(
+            f"serving {plan.path} as model {name!r} ({plan.architecture}, "
+            f"{'all groups on' if all_on else 'routed'}) at {base}/v1; Ctrl-C stops it",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
         if json_out:
             import json
 
@@ -65,11 +72,6 @@ def serve_cmd(
                               "architecture": plan.architecture, "routing": not all_on}), flush=True)  # fmt: skip
         else:
             print(f"{base}/v1", flush=True)
-        print(
-            f"serving {plan.path} as model {name!r} ({plan.architecture}, "
-            f"{'all groups on' if all_on else 'routed'}) at {base}/v1; Ctrl-C stops it",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
 
     print(f"starting vLLM for {plan.path} (first start-up takes minutes on CPU) ...", file=sys.stderr, flush=True)
     code = run_server(server_command(python, plan, opts), server_env(opts), base, on_ready=ready,
