@@ -105,3 +105,14 @@ def test_a_hybrid_export_is_its_own_method_on_the_plane():
     assert h["method"] == "wide+depth" and h["drop_layers"] == 8 and h["cost_target"] == 0.69
     assert rows[2]["method"] == "wide" and rows[2]["drop_layers"] == 0
     assert h["label"] == "wide+depth cost 0.69"
+
+
+def test_a_static_width_row_is_labelled_by_its_group_fraction_not_a_recipe_cost_target():
+    # static width keeps a fixed fraction of groups and ignores cost_target (RoutingConfig skips its
+    # check); a recipe's cost_target left in its wide_config must not name the row's cost point
+    rep = _eval_report()
+    rep["rows"].append({**rep["rows"][2], "name": "sw", "method": "static-width",
+                        "routing": {"sparsity": 0.42, "cost_target": 0.78, "cost_metric": "flops"}})
+    sw = cmp.compare_rows(rep, {})[-1]
+    assert sw["cost_target"] is None and sw["sparsity_target"] == 0.42
+    assert sw["label"] == "static-width s 0.42"

@@ -143,7 +143,8 @@ def compare_rows(eval_report: dict, speed: dict[str, dict]) -> list[dict]:
         if method == "static-depth":
             sd = r.get("static_depth") or {}
             cost_target, cost_metric = sd.get("cost_target"), sd.get("cost_metric")
-        elif wcfg_routing.get("cost_target") is not None:
+        elif method != "static-width" and wcfg_routing.get("cost_target") is not None:
+            # static width keeps a fixed group fraction and ignores a recipe's cost_target
             cost_target, cost_metric = wcfg_routing.get("cost_target"), wcfg_routing.get("cost_metric")
         row = {
             "name": r["name"],
