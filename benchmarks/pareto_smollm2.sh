@@ -42,6 +42,7 @@ queue_b() {
   prune sd-0.79-lora --method static-depth --cost-target 0.79 --lora --lora-steps "$STEPS"
   prune hybrid-0.69 --method wide --drop-layers 8 --cost-target 0.69 "${LEVERS[@]}"
   prune sd-0.69-lora --method static-depth --cost-target 0.69 --lora --lora-steps "$STEPS"
+  prune hybrid12-0.64 --method wide --drop-layers 12 --cost-target 0.64 "${LEVERS[@]}"  # ~1.5x measured
   [ -n "${DYNAMIC_DEPTH:-}" ] && prune dd-0.69 --method dynamic-depth --cost-target 0.69 --steps "$DD_STEPS"
   return 0
 }
@@ -56,7 +57,7 @@ esac
 TASKS=${TASKS:-wikitext,arc_easy,arc_challenge,piqa,hellaswag,boolq,winogrande,openbookqa}
 LIMIT=${LIMIT:-32}
 TARGETS=(smollm2-135m)
-for n in sd-0.79 sd-0.79-lora sw-0.79 wide-0.79 dd-0.79 sd-0.69 sd-0.69-lora sw-0.69 hybrid-0.69 dd-0.69; do
+for n in sd-0.79 sd-0.79-lora sw-0.79 wide-0.79 dd-0.79 sd-0.69 sd-0.69-lora sw-0.69 hybrid-0.69 hybrid12-0.64 dd-0.69; do
   [ -f "runs/$n/export/manifest.json" ] && TARGETS+=("runs/$n/export")
 done
 $WIDE compare "${TARGETS[@]}" --tasks "$TASKS" --limit "$LIMIT" --data-dir "$DATA_DIR" --seq-len 256 \
