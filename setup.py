@@ -12,7 +12,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-SHIPPED = {"kernels": ("*.cu", "*.cuh"), "recipes": ("*.toml",)}
+SHIPPED = {"kernels": ("*.cu", "*.cuh", "*.c"), "recipes": ("*.toml",)}
 
 
 class BuildPyWithShippedFiles(build_py):

@@ -1,4 +1,5 @@
-"""Where the files shipped next to the package are: CUDA sources (``kernels/``) and recipes
+"""Where the files shipped next to the package are: kernel sources (``kernels/``: CUDA, and the C
+decode step of the cpu backend) and recipes
 (``recipes/``).
 
 In the repository they are top-level folders beside ``wide_cli/`` (DESIGN.md §5). A wheel

@@ -53,8 +53,8 @@ def test_wheel_ships_kernels_and_recipes(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     kernels = {Path(n).name for n in names if n.startswith("wide_cli/_data/kernels/")}
     recipes = {Path(n).name for n in names if n.startswith("wide_cli/_data/recipes/")}
-    on_disk_kernels = {p.name for p in (ROOT / "kernels").iterdir() if p.suffix in (".cu", ".cuh")}
-    assert kernels == on_disk_kernels and "common.cuh" in kernels
+    on_disk_kernels = {p.name for p in (ROOT / "kernels").iterdir() if p.suffix in (".cu", ".cuh", ".c")}
+    assert kernels == on_disk_kernels and {"common.cuh", "cpu_decode.c"} <= kernels
     assert recipes == {p.name for p in (ROOT / "recipes").glob("*.toml")} and recipes
     assert "wide_cli/runtime/cuda/sources.py" in names and "wide_cli/resources.py" in names
     assert not any(n.startswith(("tests/", "kernels/", "recipes/")) for n in names)  # only under the package

@@ -35,6 +35,7 @@ class BenchEntry:
     speedup_vs_hf: float | None = None
     speedup_vs_dense: float | None = None
     weight_bytes_per_step: float | None = None
+    path: str | None = None  # runtime rows: native (C decode step) or torch; None for HF, llama.cpp
 
     @property
     def shape(self) -> str:
@@ -76,6 +77,7 @@ class BenchEntry:
             "ms_per_step": self.ms_per_step,
             "median_s": self.median_s,
             "seconds": self.seconds,
+            "path": self.path,
             "skips_work": self.skips_work,
             "executed_mac_fraction": self.executed_mac_fraction,
             "speedup_vs_hf": self.speedup_vs_hf,
@@ -114,7 +116,7 @@ class BenchReport:
 def fill_speedups(entries: list[BenchEntry]) -> None:
     """``speedup_vs_hf``: against HF in the same format (fp32 HF for int8 and llama.cpp rows);
     ``speedup_vs_dense``: against the runtime's dense mode in the same format (fp32 for HF rows,
-    int8 for llama.cpp rows). Same threads and shape."""
+    int8 for llama.cpp rows; ``*-torch`` rows against ``dense-torch``). Same threads and shape."""
     by_shape: dict[tuple, dict[tuple[str, str], BenchEntry]] = {}
     for e in entries:
         by_shape.setdefault((e.threads, e.phase, e.batch, e.prompt_len), {})[(e.kind, e.weights)] = e
@@ -122,7 +124,8 @@ def fill_speedups(entries: list[BenchEntry]) -> None:
         for e in group.values():
             hf = group.get(("hf", e.weights)) or group.get(("hf", "fp32"))
             dense_fmt = {"F16": "int8", "Q8_0": "int8"}.get(e.weights, e.weights)
-            dense = group.get(("dense", dense_fmt))
+            # the PyTorch-step rows are compared with the PyTorch dense step
+            dense = group.get(("dense-torch" if e.kind.endswith("-torch") else "dense", dense_fmt))
             if hf is not None:
                 e.speedup_vs_hf = e.tokens_per_s / hf.tokens_per_s
             if dense is not None:

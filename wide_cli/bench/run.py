@@ -50,12 +50,13 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
         raise ConfigError("--ppl-tokens needs the WikiText-2 data", "pass --data-dir (the folder holding wikitext-2-raw/)")
     stored_int8 = weights.extra.get("weight_format") == "int8"
 
-    runtimes: dict[tuple[str, str], Runtime] = {}
+    runtimes: dict[tuple[str, str, str], Runtime] = {}
 
-    def runtime_for(backend: str, fmt: str) -> Runtime:
-        if (backend, fmt) not in runtimes:
-            runtimes[(backend, fmt)] = Runtime(weights, backend, tokenizer=tokenizer, weight_format=fmt)
-        return runtimes[(backend, fmt)]
+    def runtime_for(backend: str, fmt: str, variant: str = "") -> Runtime:
+        # the *-torch systems get their own runtime: its sparsity statistics are its own rows'
+        if (backend, fmt, variant) not in runtimes:
+            runtimes[(backend, fmt, variant)] = Runtime(weights, backend, tokenizer=tokenizer, weight_format=fmt)
+        return runtimes[(backend, fmt, variant)]
 
     # (label, kind, format) -> system; llama.cpp systems are built per thread count
     systems: dict[tuple[str, str, str], object] = {}
@@ -68,8 +69,13 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                     continue  # transformers has no int8 weight-only CPU path for this export
                 log(f"loading {label}")
                 systems[(label, s, fmt)] = HFSystem(path, COMPUTE_DTYPE[fmt])
-            elif s == "dense":
-                systems[(label, s, fmt)] = RuntimeSystem(runtime_for(cfg.dense_backend, fmt), False, None, cfg.seed)
+            elif s in ("dense", "dense-torch"):
+                be = cfg.dense_backend if s == "dense" else "cpu"
+                systems[(label, s, fmt)] = RuntimeSystem(runtime_for(be, fmt, s), False, None, cfg.seed,
+                                                         native=s == "dense")  # fmt: skip
+            elif s == "cpu-torch":
+                systems[(label, s, fmt)] = RuntimeSystem(runtime_for("cpu", fmt, s), True, cfg.forced_sparsity, cfg.seed,
+                                                         native=False)  # fmt: skip
             elif s != "llama.cpp":
                 if fmt == "int8" and s != "cpu":
                     continue  # int8 kernels exist in the cpu backend only
@@ -162,6 +168,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                         new_tokens=cfg.new_tokens if phase == "decode" else 0, seconds=times[key],
                         tokens=B * L if phase == "prefill" else B * cfg.new_tokens, measured_sparsity=sp_short,
                         skips_work=skips, executed_mac_fraction=frac, ideal_speedup=ideal,
+                        path=getattr(active[key], "path", None),
                         weight_bytes_per_step=wb / (dcost.speedup_bound(sp_short) if sp_short else 1.0),
                     ))  # fmt: skip
             for key, sys_ in tsys.items():

@@ -46,17 +46,26 @@ class HFSystem:
 
 class RuntimeSystem:
     """The runtime on one backend and weight format, routed or not. ``executed`` holds the
-    multiply-adds of its last timed run: ``(weights + attention + LM head, routers)``."""
+    multiply-adds of its last timed run: ``(weights + attention + LM head, routers)``; ``path``
+    which code ran its timed steps: ``native`` (the cpu backend's C decode step,
+    ``runtime/cpu_native.py``) or ``torch``.
 
-    def __init__(self, runtime, routing: bool, forced_sparsity: float | None, seed: int):
+    Args:
+        native: allow the native batch-1 decode step (False measures the PyTorch step).
+    """
+
+    def __init__(self, runtime, routing: bool, forced_sparsity: float | None, seed: int, native: bool = True):
         self.rt = runtime
         self.routed = routing
         self.forced_sparsity = forced_sparsity if routing else None
         self.seed = seed
+        self.native = native
         self.executed: tuple[int, int] = (0, 0)
+        self.path: str | None = None
 
     def _setup(self, batch: int, slots: int):
         self.rt.routing = self.routed
+        self.rt.native_decode = self.native and getattr(self.rt.backend, "name", None) == "cpu"
         self.rt.forced = {}
         if self.forced_sparsity is not None:
             self.rt.forced = random_forced_masks(self.rt, batch, slots, self.forced_sparsity, self.seed)
@@ -73,6 +82,7 @@ class RuntimeSystem:
         self.rt.step(ids, None, cache)
         t = time.perf_counter() - t
         self._counted()
+        self.path = "torch"
         return t
 
     def decode(self, ids: torch.Tensor, steps: int) -> float:
@@ -86,6 +96,7 @@ class RuntimeSystem:
             logits = self.rt.step(logits.argmax(-1, keepdim=True), None, cache)
         t = time.perf_counter() - t
         self._counted()
+        self.path = "native" if self.rt.native_decode and self.rt._native_for(cache) is not None else "torch"
         return t
 
 

@@ -171,6 +171,10 @@ class Runtime:
         self.meta = [layer_meta(lw, dev, self.dtype) for lw in weights.layers]
         self.layers = [self.backend.prepare_layer(lw, self.dtype) for lw in weights.layers]
         self.stats = SparsityStats(len(self.layers), dev)
+        # The native batch-1 decode step is used where it can run (``_native_for``); False keeps
+        # every step on the PyTorch path (the oracle in tests, ``wide bench``'s torch rows).
+        self.native_decode = getattr(self.backend, "name", None) == "cpu"
+        self._native = None
         self.layer_shapes = [(lw.num_heads, lw.num_kv_heads, lw.head_dim, lw.intermediate_size) for lw in weights.layers]
 
     # ------------------------------------------------------------------------------------------
@@ -353,8 +357,13 @@ class Runtime:
         """
         from wide_cli.models.loader import check_token_ids
 
-        input_ids = input_ids.to(self.device)
         B, T = input_ids.shape
+        if B == 1 and T == 1 and logits != "all" and (valid is None or bool(valid.all())):
+            native = self._native_for(cache)
+            if native is not None:
+                out = native.step(int(input_ids[0, 0]), cache)
+                return None if logits == "none" else out
+        input_ids = input_ids.to(self.device)
         check_token_ids(input_ids, self.vocab_size)
         valid = torch.ones(B, T, dtype=torch.bool, device=self.device) if valid is None else valid.to(self.device).bool()
         start, positions = cache.append_slots(valid)
@@ -381,6 +390,25 @@ class Runtime:
             self.counter.macs += x.shape[0] * x.shape[1] * self.lm_head.numel()
             out = F.linear(x, self.lm_head).float()
         return out[:, 0] if logits == "last" else out
+
+    def _native_for(self, cache: KVCache):
+        """The native decode step (``runtime/cpu_native.py``) when it can run this call: the cpu
+        backend, no byte tracing, a one-row cache without padding; else None."""
+        if self.counter.trace is not None or not self.native_decode:
+            return None
+        nd = self._native
+        if nd is None:
+            from wide_cli.runtime import cpu_native
+
+            lib = cpu_native.library()
+            why = cpu_native.NativeDecoder.ineligible(self) if lib is not None else cpu_native.unavailable_reason()
+            if why is not None:
+                self._native = False
+                return None
+            nd = self._native = cpu_native.NativeDecoder(self, lib)
+        elif nd is False:
+            return None
+        return nd if nd.usable(cache) else None
 
     def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor | None, cache: KVCache, *,
                 chunk: int | None = None) -> torch.Tensor:

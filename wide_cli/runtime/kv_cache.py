@@ -44,6 +44,7 @@ class KVCache:
         self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
         self.length = 0
+        self.all_valid = True  # no padding slot so far (the native decode step needs that)
 
     @property
     def num_layers(self) -> int:
@@ -70,10 +71,29 @@ class KVCache:
         valid = valid.to(device=self.key_valid.device, dtype=torch.bool)
         start = self.length
         self.key_valid[:, start : start + T] = valid
+        if self.all_valid and not bool(valid.all()):
+            self.all_valid = False
         positions = (self.positions[:, None] + valid.long().cumsum(dim=1) - 1).clamp_min(0)
         self.positions += valid.sum(dim=1)
         self.length += T
         return start, positions
+
+    def append_one(self) -> tuple[int, int]:
+        """``append_slots`` for one real token in a one-row cache: ``(slot, position)`` as ints.
+
+        Raises:
+            ValueError: the cache is full, or it has more than one row.
+        """
+        if self.batch != 1:
+            raise ValueError(f"append_one needs a one-row cache, not {self.batch} rows")
+        if self.length >= self.max_len:
+            raise ValueError(f"KV cache of {self.max_len} slots is full")
+        slot = self.length
+        pos = int(self.positions[0])
+        self.key_valid[0, slot] = True
+        self.positions[0] = pos + 1
+        self.length += 1
+        return slot, pos
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Write ``k, v [B, T, H_kv, d]`` into slots ``start .. start+T-1`` of ``layer``."""

@@ -36,9 +36,10 @@ def bench_table(doc: dict):
     env = doc["environment"]
     t = Table(title=f"wide bench: {doc['export']} (weights {','.join(env.get('weights') or [])}; "
                     f"threads {','.join(map(str, env.get('threads') or []))})")  # fmt: skip
-    cols = ("shape", "threads", "system", "tokens/s", "ms", "x HF", "x dense", "skips", "MACs", "ideal", "sparsity a/f")
+    cols = ("shape", "threads", "system", "path", "tokens/s", "ms", "x HF", "x dense", "skips", "MACs", "ideal",
+            "sparsity a/f")
     for col in cols:
-        t.add_column(col, justify="left" if col in ("shape", "system", "skips") else "right")
+        t.add_column(col, justify="left" if col in ("shape", "system", "path", "skips") else "right")
     last = None
     for r in doc["results"]:
         shape = (
@@ -51,6 +52,7 @@ def bench_table(doc: dict):
             shape if key != last else "",
             str(r.get("threads")) if key != last else "",
             r["system"],
+            r.get("path") or "-",
             f(r["tokens_per_s"], 1),
             f(r["ms_per_step"], 1),
             f(r["speedup_vs_hf"]),
@@ -72,7 +74,7 @@ def bench_cmd(
     decode_prompt_len: Annotated[int | None, typer.Option("--decode-prompt-len", help="Prompt tokens before decoding (default 64).")] = None,
     repeats: Annotated[int | None, typer.Option("--repeats", help="Timed rounds; the median is reported (default 3).")] = None,
     warmup: Annotated[int | None, typer.Option("--warmup", help="Untimed rounds first (default 1).")] = None,
-    systems: Annotated[str | None, typer.Option("--systems", help="hf,dense,reference,cpu,llama.cpp (and cupy on a GPU).")] = None,
+    systems: Annotated[str | None, typer.Option("--systems", help="hf,dense,reference,cpu,cpu-torch,dense-torch,llama.cpp (and cupy on a GPU).")] = None,
     dense_backend: Annotated[str | None, typer.Option("--dense-backend", help="Backend of the `dense` system (default cpu).")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="fp32 | bf16 (default fp32; shorthand for --weights).")] = None,
     weights: Annotated[str | None, typer.Option("--weights", help="Runtime weight formats, e.g. fp32,bf16,int8 (default fp32).")] = None,

@@ -1,0 +1,809 @@
+/* The cpu backend's native decode step: one call runs a whole token (batch 1) through every layer.
+ *
+ * Why: the PyTorch decode path issues ~700 small ops per token; on SmolLM2-135M that overhead, not
+ * weight traffic, set the speed (about 30 ms per token with int8 weights whose GEMVs take ~4 ms).
+ * Here a token costs one call: the embedding row, per layer the routers, RMSNorm, the routed Q
+ * rows and all K/V rows, RoPE, the KV-cache write, attention over the active heads only, the
+ * routed O columns, the routed FFN groups, stand-ins and residual adds; then the final norm and
+ * the LM head. A skipped head group or FFN group reads none of its weight bytes.
+ *
+ * The math is the one of runtime/engine.py (DESIGN.md section 1: a group executes iff its folded
+ * router logit w.x + b >= 0), in fp32 with the weights converted on load into registers. When the
+ * compute dtype is bf16 the values the PyTorch path rounds to bf16 (residual stream, norm outputs,
+ * projection outputs, RoPE tables, the K/V written to the cache) are rounded here too, so both
+ * paths stay close; they are not bitwise equal (different summation order).
+ *
+ * Weight layouts are the cpu backend's Proj layouts (runtime/cpu_proj.py): axis-n projections
+ * (QKV, gate/up, LM head) as rows [N, K]; axis-k projections (O, down) as w_t [K, N] for float
+ * formats and, for int8, one block q [N, g] plus one bf16 scale per row for each routed group.
+ * int8 is weight-only: y[n] = s[n] * sum_k q[n, k] x[k] with x in fp32.
+ *
+ * Threads: a step may split every projection's rows (and the attention heads) between the calling
+ * thread and nthreads - 1 workers of this library's own pool (not OpenMP: a second OpenMP runtime
+ * beside PyTorch's would spin against it on a small machine). Workers spin briefly, then sleep.
+ *
+ * Built by wide_cli/runtime/cpu_native.py with the system C compiler (-O3 -march=native); the
+ * AVX-512 paths are used when the compiler targets them, portable C otherwise.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define WIDE_AVX512 1
+#if defined(__AVX512VNNI__)
+#define WIDE_VNNI 1 /* int8 x int8 dot products (vpdpbusd): 64 multiply-adds per instruction */
+#endif
+#if defined(__AVX512BF16__)
+#define WIDE_BF16DP 1 /* bf16 pair dot products (vdpbf16ps): 32 multiply-adds per instruction */
+#endif
+#endif
+
+#define WIDE_DECODE_ABI 1
+
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2 };
+
+typedef struct {
+    int64_t H, Hkv, d, ag, GA, fg, GF, window; /* window 0: none; ag: heads per attention group */
+    const void *qkv;  const uint16_t *qkv_s;   /* [(H + 2 Hkv) d, D]; int8: bf16 scale per row */
+    const void *o;    const uint16_t *o_s;     /* float: w_t [H d, D]; int8: q [GA, D, ag d], s [GA, D] */
+    const void *gu;   const uint16_t *gu_s;    /* [GF 2 fg, D] group-major gate | up */
+    const void *down; const uint16_t *down_s;  /* float: w_t [GF fg, D]; int8: q [GF, D, fg], s [GF, D] */
+    const float *bqkv, *bo;                    /* fp32 biases or NULL */
+    const float *ln_attn, *ln_ffn, *q_norm, *k_norm; /* fp32; q/k norms [d] or NULL */
+    const float *ra_w, *ra_b, *rf_w, *rf_b;    /* folded routers [G, D], [G] or NULL */
+    const float *sa, *sf;                      /* stand-ins [G, D] or NULL */
+    const uint8_t *keep_a, *keep_f;            /* static execute masks [G] or NULL */
+    void *k_cache, *v_cache;                   /* [Hkv, S_max, d] in the compute dtype (row 0) */
+} WLayer;
+
+typedef struct {
+    int64_t L, D, V, max_len, wfmt, act_bf16, head_fmt, routing, nthreads;
+    float eps, rope_scale;
+    const float *inv_freq;          /* [d / 2] */
+    const void *embed;              /* [V, D] in the compute dtype */
+    const float *final_norm;        /* [D] */
+    const void *head; const uint16_t *head_s; /* [V, D] in head_fmt */
+    WLayer *layers;
+    double *stat_skipped, *stat_decisions;    /* [L, 2] float64 (SparsityStats) or NULL */
+} WModel;
+
+/* ------------------------------------------------------------------------------------------ */
+/* scalar helpers */
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even (no NaN inputs here) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+static inline float load_act(const void *p, int64_t i, int64_t bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* GEMV kernels: y[r] = sum_k W[r, k] x[k] for n rows of width K (row stride K) */
+
+#ifdef WIDE_AVX512
+static inline __m512 ld_f32(const float *w) { return _mm512_loadu_ps(w); }
+static inline __m512 ld_bf16(const uint16_t *w) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)w);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+static inline __m512 ld_i8(const int8_t *w) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
+}
+#endif
+static inline float cv_f32(const float *w, int64_t k) { return w[k]; }
+static inline float cv_bf16(const uint16_t *w, int64_t k) { return bf16_to_f32(w[k]); }
+static inline float cv_i8(const int8_t *w, int64_t k) { return (float)w[k]; }
+
+#ifdef WIDE_AVX512
+#define DOT_BODY(T, LD, CV)                                                                          \
+    int64_t r = 0;                                                                                   \
+    for (; r + 4 <= n; r += 4) {                                                                     \
+        const T *w0 = W + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;                           \
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                  \
+        int64_t k = 0;                                                                               \
+        for (; k + 16 <= K; k += 16) {                                                               \
+            __m512 xv = _mm512_loadu_ps(x + k);                                                      \
+            a0 = _mm512_fmadd_ps(LD(w0 + k), xv, a0);                                                \
+            a1 = _mm512_fmadd_ps(LD(w1 + k), xv, a1);                                                \
+            a2 = _mm512_fmadd_ps(LD(w2 + k), xv, a2);                                                \
+            a3 = _mm512_fmadd_ps(LD(w3 + k), xv, a3);                                                \
+        }                                                                                            \
+        float s0 = _mm512_reduce_add_ps(a0), s1 = _mm512_reduce_add_ps(a1);                          \
+        float s2 = _mm512_reduce_add_ps(a2), s3 = _mm512_reduce_add_ps(a3);                          \
+        for (; k < K; k++) {                                                                         \
+            s0 += CV(w0, k) * x[k]; s1 += CV(w1, k) * x[k];                                          \
+            s2 += CV(w2, k) * x[k]; s3 += CV(w3, k) * x[k];                                          \
+        }                                                                                            \
+        y[r] = s0; y[r + 1] = s1; y[r + 2] = s2; y[r + 3] = s3;                                      \
+    }                                                                                                \
+    for (; r < n; r++) {                                                                             \
+        const T *w0 = W + r * K;                                                                     \
+        __m512 a0 = _mm512_setzero_ps();                                                             \
+        int64_t k = 0;                                                                               \
+        for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(LD(w0 + k), _mm512_loadu_ps(x + k), a0);   \
+        float s0 = _mm512_reduce_add_ps(a0);                                                         \
+        for (; k < K; k++) s0 += CV(w0, k) * x[k];                                                   \
+        y[r] = s0;                                                                                   \
+    }
+#else
+#define DOT_BODY(T, LD, CV)                                                                          \
+    for (int64_t r = 0; r < n; r++) {                                                                \
+        const T *w0 = W + r * K;                                                                     \
+        float s0 = 0.f;                                                                              \
+        for (int64_t k = 0; k < K; k++) s0 += CV(w0, k) * x[k];                                      \
+        y[r] = s0;                                                                                   \
+    }
+#endif
+
+static void dot_f32(const float *W, int64_t K, int64_t n, const float *x, float *y) { DOT_BODY(float, ld_f32, cv_f32) }
+static void dot_bf16(const uint16_t *W, int64_t K, int64_t n, const float *x, float *y) { DOT_BODY(uint16_t, ld_bf16, cv_bf16) }
+static void dot_i8(const int8_t *W, int64_t K, int64_t n, const float *x, float *y) { DOT_BODY(int8_t, ld_i8, cv_i8) }
+
+/* An input vector of a projection with the forms the fast kernels read, prepared once per vector:
+ * - int8 weights (VNNI): x quantized per block of QBLOCK values, symmetric, scale max|x| / 127 (as
+ *   llama.cpp quantizes activations for Q8_0 dot products): |q| as u8 (qa), the sign bits of each
+ *   block (qneg) and the block scales (qs). The int8 x int8 products are exact in int32; the error
+ *   is the activation rounding, at most half a step of its block.
+ * - bf16 weights (AVX512-BF16): x as bf16 (xb); exact when x is already bf16-valued, which it is
+ *   whenever the compute dtype is bf16 (the PyTorch path feeds bf16 activations to its GEMMs).
+ * Both need K to be a multiple of the block; otherwise the fp32 kernels above run. */
+#define QBLOCK 64
+
+typedef struct {
+    const float *x;
+    int64_t K;
+    const uint8_t *qa;
+    const uint64_t *qneg;
+    const float *qs;
+    const uint16_t *xb;
+} Vec;
+
+static uint8_t *g_qa;
+static uint64_t *g_qneg;
+static float *g_qs;
+static uint16_t *g_xb;
+static int64_t g_vec_cap;
+
+static int vec_reserve(int64_t K) {
+    if (K <= g_vec_cap) return 0;
+    free(g_qa); free(g_qneg); free(g_qs); free(g_xb);
+    g_qa = aligned_alloc(64, (size_t)((K + 63) / 64 * 64));
+    g_qneg = malloc((size_t)(K / QBLOCK + 1) * sizeof(uint64_t));
+    g_qs = malloc((size_t)(K / QBLOCK + 1) * sizeof(float));
+    g_xb = malloc((size_t)K * sizeof(uint16_t));
+    if (!g_qa || !g_qneg || !g_qs || !g_xb) { g_vec_cap = 0; return -1; }
+    g_vec_cap = K;
+    return 0;
+}
+
+static Vec prepare_vec(int64_t fmt, const float *x, int64_t K) {
+    Vec v = {x, K, NULL, NULL, NULL, NULL};
+#ifdef WIDE_VNNI
+    if (fmt == FMT_I8 && K % QBLOCK == 0 && K <= g_vec_cap) {
+        for (int64_t b = 0; b < K / QBLOCK; b++) {
+            const float *xb = x + b * QBLOCK;
+            float amax = 0.f;
+            for (int64_t i = 0; i < QBLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            float sc = amax / 127.0f, inv = amax > 0.f ? 127.0f / amax : 0.f;
+            uint64_t neg = 0;
+            for (int64_t i = 0; i < QBLOCK; i++) {
+                float q = nearbyintf(xb[i] * inv);
+                q = fminf(fmaxf(q, -127.f), 127.f);
+                g_qa[b * QBLOCK + i] = (uint8_t)fabsf(q);
+                if (q < 0.f) neg |= 1ull << i;
+            }
+            g_qneg[b] = neg;
+            g_qs[b] = sc;
+        }
+        v.qa = g_qa; v.qneg = g_qneg; v.qs = g_qs;
+    }
+#endif
+#ifdef WIDE_BF16DP
+    if (fmt == FMT_BF16 && K % 32 == 0 && K <= g_vec_cap) {
+        for (int64_t i = 0; i < K; i++) g_xb[i] = f32_to_bf16(x[i]);
+        v.xb = g_xb;
+    }
+#endif
+    (void)fmt;
+    return v;
+}
+
+/* The slice [k0, k0 + K) of a prepared vector (k0 a multiple of QBLOCK where qa is used). */
+static Vec vec_slice(const Vec *v, int64_t k0, int64_t K) {
+    Vec s = {v->x + k0, K, NULL, NULL, NULL, NULL};
+    if (v->qa && k0 % QBLOCK == 0 && K % QBLOCK == 0) {
+        s.qa = v->qa + k0; s.qneg = v->qneg + k0 / QBLOCK; s.qs = v->qs + k0 / QBLOCK;
+    }
+    if (v->xb && K % 32 == 0) s.xb = v->xb + k0;
+    return s;
+}
+
+#ifdef WIDE_VNNI
+/* y[r] = sum_b qs[b] * sum_{i in block b} W[r, i] * q[i] for n int8 rows: |q| times the weights
+ * with the sign of q moved onto them (vpdpbusd multiplies unsigned by signed bytes). */
+static void dot_i8_vnni(const int8_t *W, int64_t K, int64_t n, const Vec *v, float *y) {
+    const int64_t nb = K / QBLOCK;
+    const __m512i z = _mm512_setzero_si512();
+    int64_t r = 0;
+    for (; r + 4 <= n; r += 4) {
+        const int8_t *w0 = W + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512i qa = _mm512_loadu_si512(v->qa + b * QBLOCK);
+            const __mmask64 ng = v->qneg[b];
+            const __m512 sb = _mm512_set1_ps(v->qs[b]);
+            __m512i x0 = _mm512_loadu_si512(w0 + b * QBLOCK), x1 = _mm512_loadu_si512(w1 + b * QBLOCK);
+            __m512i x2 = _mm512_loadu_si512(w2 + b * QBLOCK), x3 = _mm512_loadu_si512(w3 + b * QBLOCK);
+            x0 = _mm512_dpbusd_epi32(z, qa, _mm512_mask_sub_epi8(x0, ng, z, x0));
+            x1 = _mm512_dpbusd_epi32(z, qa, _mm512_mask_sub_epi8(x1, ng, z, x1));
+            x2 = _mm512_dpbusd_epi32(z, qa, _mm512_mask_sub_epi8(x2, ng, z, x2));
+            x3 = _mm512_dpbusd_epi32(z, qa, _mm512_mask_sub_epi8(x3, ng, z, x3));
+            a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x0), sb, a0);
+            a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x1), sb, a1);
+            a2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x2), sb, a2);
+            a3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x3), sb, a3);
+        }
+        y[r] = _mm512_reduce_add_ps(a0); y[r + 1] = _mm512_reduce_add_ps(a1);
+        y[r + 2] = _mm512_reduce_add_ps(a2); y[r + 3] = _mm512_reduce_add_ps(a3);
+    }
+    for (; r < n; r++) {
+        const int8_t *w0 = W + r * K;
+        __m512 a0 = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            __m512i x0 = _mm512_loadu_si512(w0 + b * QBLOCK);
+            x0 = _mm512_dpbusd_epi32(z, _mm512_loadu_si512(v->qa + b * QBLOCK), _mm512_mask_sub_epi8(x0, v->qneg[b], z, x0));
+            a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x0), _mm512_set1_ps(v->qs[b]), a0);
+        }
+        y[r] = _mm512_reduce_add_ps(a0);
+    }
+}
+#endif
+
+#ifdef WIDE_BF16DP
+/* y[r] = sum_k W[r, k] xb[k] for n bf16 rows, fp32 accumulation (vdpbf16ps). */
+static void dot_bf16_dp(const uint16_t *W, int64_t K, int64_t n, const uint16_t *xb, float *y) {
+    int64_t r = 0;
+    for (; r + 4 <= n; r += 4) {
+        const uint16_t *w0 = W + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t k = 0; k < K; k += 32) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + k);
+            a0 = _mm512_dpbf16_ps(a0, xv, (__m512bh)_mm512_loadu_si512(w0 + k));
+            a1 = _mm512_dpbf16_ps(a1, xv, (__m512bh)_mm512_loadu_si512(w1 + k));
+            a2 = _mm512_dpbf16_ps(a2, xv, (__m512bh)_mm512_loadu_si512(w2 + k));
+            a3 = _mm512_dpbf16_ps(a3, xv, (__m512bh)_mm512_loadu_si512(w3 + k));
+        }
+        y[r] = _mm512_reduce_add_ps(a0); y[r + 1] = _mm512_reduce_add_ps(a1);
+        y[r + 2] = _mm512_reduce_add_ps(a2); y[r + 3] = _mm512_reduce_add_ps(a3);
+    }
+    for (; r < n; r++) {
+        const uint16_t *w0 = W + r * K;
+        __m512 a0 = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 32)
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(xb + k), (__m512bh)_mm512_loadu_si512(w0 + k));
+        y[r] = _mm512_reduce_add_ps(a0);
+    }
+}
+#endif
+
+/* y[i] = W[r0 + i] . v for rows [r0, r1) of an axis-n projection (int8: times the row's scale). */
+static void rows_dot(int64_t fmt, const void *W, const uint16_t *S, int64_t K, int64_t r0, int64_t r1,
+                     const Vec *v, float *y) {
+    int64_t n = r1 - r0;
+    if (n <= 0) return;
+    if (fmt == FMT_F32) dot_f32((const float *)W + r0 * K, K, n, v->x, y);
+    else if (fmt == FMT_BF16) {
+#ifdef WIDE_BF16DP
+        if (v->xb) { dot_bf16_dp((const uint16_t *)W + r0 * K, K, n, v->xb, y); return; }
+#endif
+        dot_bf16((const uint16_t *)W + r0 * K, K, n, v->x, y);
+    } else {
+#ifdef WIDE_VNNI
+        if (v->qa) dot_i8_vnni((const int8_t *)W + r0 * K, K, n, v, y);
+        else
+#endif
+        dot_i8((const int8_t *)W + r0 * K, K, n, v->x, y);
+        for (int64_t i = 0; i < n; i++) y[i] *= bf16_to_f32(S[r0 + i]);
+    }
+}
+
+/* y[0:N] += sum_c a[c] w_t[c, 0:N] over C rows of a float w_t with row stride ld (ld = N: one
+ * contiguous stream; a thread's column slice: ld > N). */
+#ifdef WIDE_AVX512
+#define AXPY_BODY(T, LD, CV)                                                                         \
+    int64_t c = 0;                                                                                   \
+    for (; c + 4 <= C; c += 4) {                                                                     \
+        const T *w0 = Wt + c * ld, *w1 = w0 + ld, *w2 = w1 + ld, *w3 = w2 + ld;                          \
+        __m512 b0 = _mm512_set1_ps(a[c]), b1 = _mm512_set1_ps(a[c + 1]);                             \
+        __m512 b2 = _mm512_set1_ps(a[c + 2]), b3 = _mm512_set1_ps(a[c + 3]);                         \
+        int64_t i = 0;                                                                               \
+        for (; i + 16 <= N; i += 16) {                                                               \
+            __m512 acc = _mm512_loadu_ps(y + i);                                                     \
+            acc = _mm512_fmadd_ps(LD(w0 + i), b0, acc);                                              \
+            acc = _mm512_fmadd_ps(LD(w1 + i), b1, acc);                                              \
+            acc = _mm512_fmadd_ps(LD(w2 + i), b2, acc);                                              \
+            acc = _mm512_fmadd_ps(LD(w3 + i), b3, acc);                                              \
+            _mm512_storeu_ps(y + i, acc);                                                            \
+        }                                                                                            \
+        for (; i < N; i++)                                                                           \
+            y[i] += CV(w0, i) * a[c] + CV(w1, i) * a[c + 1] + CV(w2, i) * a[c + 2] + CV(w3, i) * a[c + 3]; \
+    }                                                                                                \
+    for (; c < C; c++) {                                                                             \
+        const T *w0 = Wt + c * ld;                                                                   \
+        for (int64_t i = 0; i < N; i++) y[i] += CV(w0, i) * a[c];                                    \
+    }
+#else
+#define AXPY_BODY(T, LD, CV)                                                                         \
+    for (int64_t c = 0; c < C; c++) {                                                                \
+        const T *w0 = Wt + c * ld;                                                                   \
+        for (int64_t i = 0; i < N; i++) y[i] += CV(w0, i) * a[c];                                    \
+    }
+#endif
+
+static void axpy_f32(const float *Wt, int64_t ld, int64_t N, int64_t C, const float *a, float *y) { AXPY_BODY(float, ld_f32, cv_f32) }
+static void axpy_bf16(const uint16_t *Wt, int64_t ld, int64_t N, int64_t C, const float *a, float *y) { AXPY_BODY(uint16_t, ld_bf16, cv_bf16) }
+
+/* ------------------------------------------------------------------------------------------ */
+/* thread pool: the caller is thread 0; workers 1..n-1 run the same job on their share */
+
+typedef void (*job_fn)(void *arg, int64_t part, int64_t parts);
+
+typedef struct {
+    pthread_t tid[15];
+    int64_t n;                /* threads including the caller */
+    atomic_long epoch;        /* bumped per job */
+    atomic_long done;         /* workers finished with the current epoch */
+    atomic_int stop;
+    job_fn fn;
+    void *arg;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int64_t idx[15];
+} Pool;
+
+static Pool g_pool;
+
+static void *worker(void *p) {
+    int64_t me = *(int64_t *)p;
+    long seen = 0;
+    for (;;) {
+        long e;
+        int spins = 0;
+        while ((e = atomic_load_explicit(&g_pool.epoch, memory_order_acquire)) == seen) {
+            if (atomic_load(&g_pool.stop)) return NULL;
+            if (++spins < 20000) {
+#ifdef WIDE_AVX512
+                _mm_pause();
+#endif
+                continue;
+            }
+            pthread_mutex_lock(&g_pool.mu); /* idle between tokens: sleep, do not burn the core */
+            while (atomic_load_explicit(&g_pool.epoch, memory_order_acquire) == seen && !atomic_load(&g_pool.stop))
+                pthread_cond_wait(&g_pool.cv, &g_pool.mu);
+            pthread_mutex_unlock(&g_pool.mu);
+            spins = 0;
+        }
+        seen = e;
+        g_pool.fn(g_pool.arg, me, g_pool.n);
+        atomic_fetch_add_explicit(&g_pool.done, 1, memory_order_release);
+    }
+}
+
+static void pool_resize(int64_t n) {
+    if (n < 1) n = 1;
+    if (n > 16) n = 16;
+    if (n == g_pool.n) return;
+    if (g_pool.n > 1) { /* stop the old workers */
+        pthread_mutex_lock(&g_pool.mu);
+        atomic_store(&g_pool.stop, 1);
+        pthread_cond_broadcast(&g_pool.cv);
+        pthread_mutex_unlock(&g_pool.mu);
+        for (int64_t i = 0; i < g_pool.n - 1; i++) pthread_join(g_pool.tid[i], NULL);
+    }
+    atomic_store(&g_pool.stop, 0);
+    atomic_store(&g_pool.epoch, 0);
+    g_pool.n = n;
+    for (int64_t i = 0; i < n - 1; i++) {
+        g_pool.idx[i] = i + 1;
+        pthread_create(&g_pool.tid[i], NULL, worker, &g_pool.idx[i]);
+    }
+}
+
+/* Run fn on parts 0..n-1 (part 0 on the caller) and wait for all. */
+static void pool_run(job_fn fn, void *arg) {
+    if (g_pool.n <= 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+    g_pool.fn = fn;
+    g_pool.arg = arg;
+    atomic_store_explicit(&g_pool.done, 0, memory_order_relaxed);
+    pthread_mutex_lock(&g_pool.mu);
+    atomic_fetch_add_explicit(&g_pool.epoch, 1, memory_order_release);
+    pthread_cond_broadcast(&g_pool.cv);
+    pthread_mutex_unlock(&g_pool.mu);
+    fn(arg, 0, g_pool.n);
+    while (atomic_load_explicit(&g_pool.done, memory_order_acquire) < g_pool.n - 1) {
+#ifdef WIDE_AVX512
+        _mm_pause();
+#endif
+    }
+}
+
+/* A projection job: rows [r0, r1) of an axis-n projection into y, split by rows; or the float
+ * axis-k accumulate y[0:N] += a @ w_t[c0:c1], split by output columns; or int8 axis-k groups. */
+typedef struct {
+    int64_t kind; /* 0 rows_dot, 1 float axis-k, 2 int8 axis-k */
+    int64_t fmt, K, r0, r1, N, g, nruns;
+    const void *W;
+    const uint16_t *S;
+    const Vec *x;        /* kind 0: the input; kind 2: the activations of the whole reduction axis */
+    float *y;
+    const int64_t *runs; /* kind 1, 2: [nruns][2] group runs [j0, j1) */
+    const float *a;      /* kind 1: activations of the whole reduction axis */
+} ProjJob;
+
+static void split(int64_t n, int64_t part, int64_t parts, int64_t align, int64_t *lo, int64_t *hi) {
+    int64_t per = (n + parts - 1) / parts;
+    per = (per + align - 1) / align * align;
+    *lo = part * per < n ? part * per : n;
+    *hi = (part + 1) * per < n ? (part + 1) * per : n;
+}
+
+static void proj_job(void *arg, int64_t part, int64_t parts) {
+    ProjJob *j = (ProjJob *)arg;
+    int64_t lo, hi;
+    if (j->kind == 0) {
+        split(j->r1 - j->r0, part, parts, 16, &lo, &hi);
+        rows_dot(j->fmt, j->W, j->S, j->K, j->r0 + lo, j->r0 + hi, j->x, j->y + lo);
+        return;
+    }
+    split(j->N, part, parts, 16, &lo, &hi); /* output columns (float) or rows (int8) of this part */
+    if (hi <= lo) return;
+    for (int64_t r = 0; r < j->nruns; r++) {
+        int64_t j0 = j->runs[2 * r], j1 = j->runs[2 * r + 1];
+        if (j->kind == 1) {
+            /* w_t [K, N]: rows [j0 g, j1 g); this part's columns [lo, hi) of each row */
+            int64_t c0 = j0 * j->g, C = (j1 - j0) * j->g;
+            if (j->fmt == FMT_F32)
+                axpy_f32((const float *)j->W + c0 * j->N + lo, j->N, hi - lo, C, j->a + c0, j->y + lo);
+            else
+                axpy_bf16((const uint16_t *)j->W + c0 * j->N + lo, j->N, hi - lo, C, j->a + c0, j->y + lo);
+        } else {
+            /* int8 block q [GROUPS, N, g], s [GROUPS, N]: rows [lo, hi) of each active block */
+            float tmp[256];
+            for (int64_t jj = j0; jj < j1; jj++) {
+                const int8_t *q = (const int8_t *)j->W + jj * j->N * j->g;
+                const uint16_t *s = j->S + jj * j->N;
+                Vec vj = vec_slice(j->x, jj * j->g, j->g);
+                for (int64_t r0 = lo; r0 < hi; r0 += 256) {
+                    int64_t r1 = r0 + 256 < hi ? r0 + 256 : hi;
+                    rows_dot(FMT_I8, q, s, j->g, r0, r1, &vj, tmp);
+                    for (int64_t i = 0; i < r1 - r0; i++) j->y[r0 + i] += tmp[i];
+                }
+            }
+        }
+    }
+}
+
+static void run_rows(int64_t fmt, const void *W, const uint16_t *S, int64_t K, int64_t r0, int64_t r1,
+                     const Vec *x, float *y) {
+    if (r1 <= r0) return;
+    ProjJob j = {0, fmt, K, r0, r1, 0, 0, 0, W, S, x, y, NULL, NULL};
+    if (g_pool.n > 1 && (r1 - r0) >= 64) pool_run(proj_job, &j);
+    else proj_job(&j, 0, 1);
+}
+
+/* y[0:N] += a[groups] @ W[groups] for the runs of active groups (axis-k projection). */
+static void run_k(int64_t fmt, const void *W, const uint16_t *S, int64_t N, int64_t g, const int64_t *runs,
+                  int64_t nruns, const Vec *a, float *y) {
+    if (nruns == 0) return;
+    ProjJob j = {fmt == FMT_I8 ? 2 : 1, fmt, 0, 0, 0, N, g, nruns, W, S, a, y, runs, a->x};
+    if (g_pool.n > 1) pool_run(proj_job, &j);
+    else proj_job(&j, 0, 1);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* layer pieces */
+
+/* HF LlamaRMSNorm: statistics in fp32; with bf16 compute the normalised value is rounded to bf16
+ * before the (bf16) weight multiply, as torch does. */
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, int64_t bf16, float *out) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float r = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+    if (bf16) for (int64_t i = 0; i < n; i++) out[i] = round_bf16(w[i] * round_bf16(x[i] * r));
+    else for (int64_t i = 0; i < n; i++) out[i] = x[i] * (r * w[i]);
+}
+
+/* Execute decisions of one module into ex[G] (1 = execute); returns the number executed.
+ * Counts router multiply-adds and the module's decisions in the sparsity statistics. */
+static int64_t decide(const WModel *m, int64_t li, int64_t mod, const float *rw, const float *rb,
+                      const uint8_t *keep, int64_t G, const float *x, uint8_t *ex, float *tmp, int64_t *cnt) {
+    int64_t n = G;
+    if (!m->routing || (rw == NULL && keep == NULL)) {
+        memset(ex, 1, (size_t)G);
+        return G;
+    }
+    if (keep != NULL) { /* a static mask, or decisions forced for this step, replace the router */
+        n = 0;
+        for (int64_t j = 0; j < G; j++) n += ex[j] = keep[j] != 0;
+    } else {
+        dot_f32(rw, m->D, G, x, tmp);
+        cnt[2] += G * m->D;
+        n = 0;
+        for (int64_t j = 0; j < G; j++) n += ex[j] = (tmp[j] + rb[j]) >= 0.0f;
+    }
+    if (m->stat_decisions != NULL) {
+        m->stat_decisions[li * 2 + mod] += (double)G;
+        m->stat_skipped[li * 2 + mod] += (double)(G - n);
+    }
+    return n;
+}
+
+/* Runs [j0, j1) of executed groups; returns how many runs. */
+static int64_t runs_of(const uint8_t *ex, int64_t G, int64_t *runs) {
+    int64_t nr = 0;
+    for (int64_t j = 0; j < G;) {
+        if (!ex[j]) { j++; continue; }
+        int64_t e = j;
+        while (e < G && ex[e]) e++;
+        runs[2 * nr] = j;
+        runs[2 * nr + 1] = e;
+        nr++;
+        j = e;
+    }
+    return nr;
+}
+
+/* x += sum over skipped groups of standin[j] (fp32 sum, rounded like the torch path). */
+static void add_standins(const float *st, const uint8_t *ex, int64_t G, int64_t D, int64_t bf16, float *x,
+                         float *tmp) {
+    if (st == NULL) return;
+    int any = 0;
+    for (int64_t j = 0; j < G; j++) any |= !ex[j];
+    if (!any) return;
+    memset(tmp, 0, (size_t)D * sizeof(float));
+    for (int64_t j = 0; j < G; j++)
+        if (!ex[j]) for (int64_t i = 0; i < D; i++) tmp[i] += st[j * D + i];
+    for (int64_t i = 0; i < D; i++) x[i] = bf16 ? round_bf16(x[i] + round_bf16(tmp[i])) : x[i] + tmp[i];
+}
+
+/* HF rotate_half RoPE on one head x[d] with tables cs, sn [d / 2]. */
+static void rope(float *x, int64_t d, const float *cs, const float *sn, int64_t bf16) {
+    int64_t h = d / 2;
+    for (int64_t i = 0; i < h; i++) {
+        float a = x[i], b = x[i + h];
+        float ra = a * cs[i] - b * sn[i], rb = b * cs[i] + a * sn[i];
+        x[i] = bf16 ? round_bf16(ra) : ra;
+        x[i + h] = bf16 ? round_bf16(rb) : rb;
+    }
+}
+
+/* q . k for one cached key (fp32 or bf16 cache), and o += p v for one cached value. */
+static inline float dot_head(const float *q, const void *k, int64_t d, int64_t bf) {
+#ifdef WIDE_AVX512
+    if (d % 16 == 0) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16)
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), bf ? ld_bf16((const uint16_t *)k + i) : ld_f32((const float *)k + i), a);
+        return _mm512_reduce_add_ps(a);
+    }
+#endif
+    float s = 0.f;
+    for (int64_t i = 0; i < d; i++) s += q[i] * load_act(k, i, bf);
+    return s;
+}
+
+static inline void axpy_head(float *o, float p, const void *v, int64_t d, int64_t bf) {
+#ifdef WIDE_AVX512
+    if (d % 16 == 0) {
+        const __m512 pv = _mm512_set1_ps(p);
+        for (int64_t i = 0; i < d; i += 16)
+            _mm512_storeu_ps(o + i, _mm512_fmadd_ps(bf ? ld_bf16((const uint16_t *)v + i) : ld_f32((const float *)v + i), pv,
+                                                    _mm512_loadu_ps(o + i)));
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < d; i++) o[i] += p * load_act(v, i, bf);
+}
+
+typedef struct {
+    const WModel *m;
+    const WLayer *L;
+    const float *q;   /* [H d] */
+    float *out;       /* [H d] */
+    const uint8_t *hx; /* [H] head executes */
+    float *scores;    /* [parts][S] */
+    int64_t lo, S, smax;
+    float scale;
+} AttnJob;
+
+static void attn_job(void *arg, int64_t part, int64_t parts) {
+    AttnJob *a = (AttnJob *)arg;
+    const WLayer *L = a->L;
+    int64_t d = L->d, hpk = L->H / L->Hkv, lo, hi;
+    int64_t bf = a->m->act_bf16;
+    float *sc = a->scores + part * a->smax;
+    split(L->H, part, parts, 1, &lo, &hi);
+    for (int64_t h = lo; h < hi; h++) {
+        float *o = a->out + h * d;
+        if (!a->hx[h]) { memset(o, 0, (size_t)d * sizeof(float)); continue; }
+        const float *q = a->q + h * d;
+        int64_t kv = h / hpk;
+        float mx = -INFINITY;
+        const size_t esz = bf ? 2 : 4;
+        const char *kc = (const char *)L->k_cache, *vc = (const char *)L->v_cache;
+        for (int64_t t = a->lo; t < a->S; t++) {
+            float s = dot_head(q, kc + (size_t)((kv * a->m->max_len + t) * d) * esz, d, bf) * a->scale;
+            sc[t] = s;
+            if (s > mx) mx = s;
+        }
+        float sum = 0.f;
+        for (int64_t t = a->lo; t < a->S; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
+        float inv = 1.0f / sum;
+        for (int64_t i = 0; i < d; i++) o[i] = 0.f;
+        for (int64_t t = a->lo; t < a->S; t++)
+            axpy_head(o, sc[t] * inv, vc + (size_t)((kv * a->m->max_len + t) * d) * esz, d, bf);
+        if (bf) for (int64_t i = 0; i < d; i++) o[i] = round_bf16(o[i]);
+    }
+}
+
+/* Scratch floats one step needs (see wide_decode_step). */
+int64_t wide_decode_scratch_floats(const WModel *m) {
+    int64_t mx = 0;
+    for (int64_t l = 0; l < m->L; l++) {
+        const WLayer *L = &m->layers[l];
+        int64_t nqkv = (L->H + 2 * L->Hkv) * L->d, f = L->GF * L->fg * 3;
+        int64_t need = nqkv + L->H * L->d + f + 4 * (L->GA + L->GF + 2) + 2 * L->d;
+        if (need > mx) mx = need;
+    }
+    return 4 * m->D + mx + 16 * m->max_len + m->V;
+}
+
+/* One layer for one token: x [D] (the residual stream, fp32) updated in place. */
+static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64_t slot, float *sc, int64_t *cnt) {
+    const WLayer *L = &m->layers[li];
+    int64_t D = m->D, H = L->H, Hkv = L->Hkv, d = L->d, bf = m->act_bf16, fmt = m->wfmt;
+    int64_t cols = L->ag * d, Nq = H * d, Nkv = Hkv * d, fg = L->fg;
+    float *h = sc, *y = h + D, *tmpD = y + D, *qkv = tmpD + D;
+    float *att = qkv + Nq + 2 * Nkv, *hid = att + Nq, *cs = hid + L->GF * fg * 3, *sn = cs + d / 2;
+    float *scores = sn + d / 2 + 16;
+    uint8_t exa[4096], exf[4096], hx[4096];
+    int64_t runs[2 * 4096];
+    float rtmp[4096];
+
+    /* attention: router on the residual stream entering the layer */
+    int64_t na = decide(m, li, 0, L->ra_w, L->ra_b, L->keep_a, L->GA, x, exa, rtmp, cnt);
+    rms_norm(x, L->ln_attn, D, m->eps, bf, h);
+    int64_t nr = runs_of(exa, L->GA, runs);
+    Vec vh = prepare_vec(fmt, h, D);
+    for (int64_t r = 0; r < nr; r++)
+        run_rows(fmt, L->qkv, L->qkv_s, D, runs[2 * r] * cols, runs[2 * r + 1] * cols, &vh, qkv + runs[2 * r] * cols);
+    run_rows(fmt, L->qkv, L->qkv_s, D, Nq, Nq + 2 * Nkv, &vh, qkv + Nq); /* every token's K/V */
+    cnt[0] += (na * cols + 2 * Nkv) * D;
+    for (int64_t j = 0; j < L->GA; j++)
+        for (int64_t hh = j * L->ag; hh < (j + 1) * L->ag; hh++) hx[hh] = exa[j];
+    for (int64_t i = 0; i < Nq + 2 * Nkv; i++) {
+        if (i < Nq && !hx[i / d]) continue;
+        float v = qkv[i];
+        if (L->bqkv) v = bf ? round_bf16(v) + L->bqkv[i] : v + L->bqkv[i];
+        qkv[i] = bf ? round_bf16(v) : v;
+    }
+    /* RoPE tables as HF computes them: fp32 angle, cos/sin times the attention scaling */
+    for (int64_t i = 0; i < d / 2; i++) {
+        float ang = (float)pos * m->inv_freq[i];
+        float c = cosf(ang) * m->rope_scale, s = sinf(ang) * m->rope_scale;
+        cs[i] = bf ? round_bf16(c) : c;
+        sn[i] = bf ? round_bf16(s) : s;
+    }
+    for (int64_t hh = 0; hh < H + Hkv; hh++) {
+        if (hh < H && !hx[hh]) continue;
+        float *v = qkv + hh * d;
+        if (L->q_norm) rms_norm(v, hh < H ? L->q_norm : L->k_norm, d, m->eps, bf, v);
+        rope(v, d, cs, sn, bf);
+    }
+    /* the cache: every token's K and V, whatever its routing */
+    for (int64_t kv = 0; kv < Hkv; kv++) {
+        int64_t base = (kv * m->max_len + slot) * d;
+        const float *k = qkv + Nq + kv * d, *v = qkv + Nq + Nkv + kv * d;
+        if (bf) {
+            uint16_t *kc = (uint16_t *)L->k_cache + base, *vc = (uint16_t *)L->v_cache + base;
+            for (int64_t i = 0; i < d; i++) { kc[i] = f32_to_bf16(k[i]); vc[i] = f32_to_bf16(v[i]); }
+        } else {
+            memcpy((float *)L->k_cache + base, k, (size_t)d * sizeof(float));
+            memcpy((float *)L->v_cache + base, v, (size_t)d * sizeof(float));
+        }
+    }
+    int64_t S = slot + 1, lo = 0;
+    if (L->window > 0 && S - L->window > 0) lo = S - L->window;
+    AttnJob aj = {m, L, qkv, att, hx, scores, lo, S, m->max_len, 1.0f / sqrtf((float)d)};
+    if (g_pool.n > 1 && na > 1) pool_run(attn_job, &aj);
+    else attn_job(&aj, 0, 1);
+    cnt[1] += na * L->ag * d * 2 * (S - lo);
+    /* O projection over the active head groups, then the residual add */
+    if (L->bo) for (int64_t i = 0; i < D; i++) y[i] = L->bo[i];
+    else memset(y, 0, (size_t)D * sizeof(float));
+    Vec vatt = prepare_vec(fmt, att, Nq);
+    run_k(fmt, L->o, L->o_s, D, cols, runs, nr, &vatt, y);
+    cnt[0] += na * cols * D;
+    for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
+    add_standins(L->sa, exa, L->GA, D, bf, x, tmpD);
+
+    /* FFN: router on the residual stream after the attention add */
+    int64_t nf = decide(m, li, 1, L->rf_w, L->rf_b, L->keep_f, L->GF, x, exf, rtmp, cnt);
+    rms_norm(x, L->ln_ffn, D, m->eps, bf, h);
+    nr = runs_of(exf, L->GF, runs);
+    vh = prepare_vec(fmt, h, D);
+    /* gate|up rows of each run land group-major in hid: [j][gate fg | up fg] */
+    for (int64_t r = 0; r < nr; r++)
+        run_rows(fmt, L->gu, L->gu_s, D, runs[2 * r] * 2 * fg, runs[2 * r + 1] * 2 * fg, &vh, hid + runs[2 * r] * 2 * fg);
+    cnt[0] += nf * 2 * fg * D;
+    /* SwiGLU into act [GF fg] (the reduction axis of down), active groups only */
+    float *act = hid + L->GF * 2 * fg;
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t j = runs[2 * r]; j < runs[2 * r + 1]; j++) {
+            const float *g = hid + j * 2 * fg, *u = g + fg;
+            float *o = act + j * fg;
+            for (int64_t i = 0; i < fg; i++) {
+                float gv = bf ? round_bf16(g[i]) : g[i], uv = bf ? round_bf16(u[i]) : u[i];
+                float sv = gv / (1.0f + expf(-gv));
+                o[i] = bf ? round_bf16(round_bf16(sv) * uv) : sv * uv;
+            }
+        }
+    memset(y, 0, (size_t)D * sizeof(float));
+    Vec vact = prepare_vec(fmt, act, L->GF * fg);
+    run_k(fmt, L->down, L->down_s, D, fg, runs, nr, &vact, y);
+    cnt[0] += nf * fg * D;
+    for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
+    add_standins(L->sf, exf, L->GF, D, bf, x, tmpD);
+}
+
+int64_t wide_decode_abi(void) { return WIDE_DECODE_ABI; }
+
+void wide_decode_set_threads(int64_t n) { pool_resize(n); }
+
+/* Run token `token` at RoPE position `pos` into cache slot `slot` (slots 0..slot-1 hold the
+ * context) through every layer; write fp32 logits [V]. cnt[3] += executed weight, attention and
+ * router multiply-adds. Returns 0, or -1 for bad arguments (nothing written then). */
+int64_t wide_decode_step(const WModel *m, int64_t token, int64_t pos, int64_t slot, float *logits, int64_t *cnt,
+                         float *scratch) {
+    if (token < 0 || token >= m->V || slot < 0 || slot >= m->max_len) return -1;
+    for (int64_t l = 0; l < m->L; l++)
+        if (m->layers[l].GA > 4096 || m->layers[l].GF > 4096 || m->layers[l].H > 4096) return -1;
+    if (m->nthreads != g_pool.n) pool_resize(m->nthreads);
+    int64_t kmax = m->D;
+    for (int64_t l = 0; l < m->L; l++) {
+        const WLayer *L = &m->layers[l];
+        if (L->H * L->d > kmax) kmax = L->H * L->d;
+        if (L->GF * L->fg > kmax) kmax = L->GF * L->fg;
+    }
+    if (vec_reserve(kmax) != 0) return -1;
+    int64_t D = m->D;
+    float *x = scratch, *sc = scratch + D;
+    for (int64_t i = 0; i < D; i++) x[i] = load_act(m->embed, token * D + i, m->act_bf16);
+    for (int64_t l = 0; l < m->L; l++) layer_step(m, l, x, pos, slot, sc, cnt);
+    float *h = sc;
+    rms_norm(x, m->final_norm, D, m->eps, m->act_bf16, h);
+    Vec vh = prepare_vec(m->head_fmt, h, D);
+    run_rows(m->head_fmt, m->head, m->head_s, D, 0, m->V, &vh, logits);
+    cnt[0] += m->V * D;
+    return 0;
+}

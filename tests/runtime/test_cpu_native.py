@@ -1,0 +1,172 @@
+"""The native batch-1 decode step (``runtime/cpu_native.py``, ``kernels/cpu_decode.c``) against the
+PyTorch paths: the reference backend (the oracle) and the cpu backend's own PyTorch step.
+
+Tolerances: fp32 1e-4 absolute on logits of magnitude ~3 (both paths compute the same fp32
+math in another summation order; ~2e-6 observed). bf16 and int8 use the suite's bf16 tolerance
+(3 % of the largest logit, ``test_weight_formats.REL_ATOL``): the PyTorch path rounds every
+intermediate to bf16 and the native step keeps fp32 between the roundings it emulates.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from wide_cli.runtime import cpu_native
+from wide_cli.runtime.engine import Runtime
+
+pytestmark = pytest.mark.skipif(cpu_native.library() is None,
+                                reason=f"native decode step unavailable: {cpu_native.unavailable_reason()}")  # fmt: skip
+
+REL_ATOL = 0.03
+
+
+def _prompt(n: int, seed: int = 7) -> torch.Tensor:
+    return torch.randint(5, 100, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _decode(rt: Runtime, ids: torch.Tensor, tokens: list[int] | None, steps: int, slots: int = 32):
+    """Prefill ``ids`` then decode ``steps`` tokens (``tokens`` teacher-forced, else greedy);
+    returns (logits [steps, V], tokens)."""
+    cache = rt.new_cache(1, slots)
+    lg = rt.step(ids, None, cache)
+    out, toks = [], []
+    for i in range(steps):
+        t = tokens[i] if tokens is not None else int(lg.argmax())
+        toks.append(t)
+        lg = rt.step(torch.tensor([[t]]), None, cache)
+        out.append(lg)
+    return torch.cat(out), toks
+
+
+def _pair(model, fmt: str, **kw) -> tuple[Runtime, Runtime]:
+    """(native, PyTorch-path) cpu runtimes of ``model``."""
+    a = Runtime.from_model(model, backend="cpu", weight_format=fmt, **kw)
+    b = Runtime.from_model(model, backend="cpu", weight_format=fmt, **kw)
+    b.native_decode = False
+    return a, b
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("p_skip", [0.0, 0.5, 1.0])
+def test_native_step_matches_reference_backend(fmt, p_skip, routed_model, random_masks):
+    model = routed_model("qwen2")  # q/k/v biases: a bias must not leak into skipped groups
+    ref = Runtime.from_model(model, backend="reference", weight_format=fmt)
+    nat = Runtime.from_model(model, backend="cpu", weight_format=fmt)
+    ids, steps = _prompt(20), 8
+    ref.forced = nat.forced = random_masks(model, 1, 20 + steps + 1, p_skip, seed=6)
+    want, toks = _decode(ref, ids, None, steps)
+    got, _ = _decode(nat, ids, toks, steps)
+    assert isinstance(nat._native, cpu_native.NativeDecoder)
+    atol = 1e-4 if fmt == "fp32" else REL_ATOL * float(want.abs().max())
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral-window"])
+def test_native_step_matches_the_torch_step_with_routers(kind, routed_model):
+    """Routers decide (about half the groups skip); Qwen3's q/k norms, Qwen2's biases, a sliding
+    window of 4 slots shorter than the context. Same tokens, decisions, counts and logits."""
+    overrides = {"sliding_window": 4} if kind == "mistral-window" else {}
+    model = routed_model(kind.split("-")[0], **overrides)
+    nat, py = _pair(model, "fp32")
+    got, toks = _decode(nat, _prompt(9), None, 12)
+    want, toks_py = _decode(py, _prompt(9), None, 12)
+    assert isinstance(nat._native, cpu_native.NativeDecoder) and py._native is None
+    assert toks == toks_py
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    s_nat, s_py = nat.stats.summary(), py.stats.summary()
+    assert 0.2 < s_nat["total"] < 0.8
+    assert s_nat == s_py
+    assert (nat.counter.macs, nat.counter.router_macs) == (py.counter.macs, py.counter.router_macs)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_native_step_is_close_to_the_torch_step_in_low_precision(fmt, routed_model):
+    model = routed_model("llama", routers="execute")
+    nat, py = _pair(model, fmt)
+    want, toks = _decode(py, _prompt(9), None, 10)
+    got, _ = _decode(nat, _prompt(9), toks, 10)
+    torch.testing.assert_close(got, want, atol=REL_ATOL * float(want.abs().max()), rtol=0)
+
+
+def test_dense_mode_runs_every_group(routed_model):
+    model = routed_model("llama")
+    nat, py = _pair(model, "fp32", routing=False)
+    got, toks = _decode(nat, _prompt(9), None, 6)
+    want, _ = _decode(py, _prompt(9), toks, 6)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert nat.counter.router_macs == 0 and nat.counter.macs == py.counter.macs
+
+
+def test_standins_are_added_for_skipped_groups():
+    from wide_cli.models.tiny import tiny_model
+    from wide_cli.routing import RoutingConfig, attach_routers
+
+    model = tiny_model("llama", seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        st = attach_routers(model, RoutingConfig(attn_group_size=2, ffn_group_size=32, standin="mean"))
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for r in (layer.router_attention, layer.router_ffn):
+                r.standin.copy_(torch.randn(r.standin.shape, generator=g) * 0.2)
+    st.set_mode("argmax")
+    nat, py = _pair(model, "fp32")
+    got, toks = _decode(nat, _prompt(9), None, 8)
+    want, _ = _decode(py, _prompt(9), toks, 8)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    nat.native_decode = False
+    without, _ = _decode(Runtime.from_model(model, backend="cpu"), _prompt(9), toks, 8)
+    assert float((without - got).abs().max()) < 1e-4  # the torch path itself is the same model
+
+
+def test_two_threads_give_the_same_logits_as_one(routed_model):
+    """Threads split output rows and heads, never a sum: results are bitwise equal."""
+    model = routed_model("llama")
+    rt = Runtime.from_model(model, backend="cpu", weight_format="int8")
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, toks = _decode(rt, _prompt(9), None, 6)
+        torch.set_num_threads(2)
+        two, _ = _decode(rt, _prompt(9), toks, 6)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, two)
+
+
+def test_padded_or_traced_calls_use_the_torch_path(routed_model):
+    model = routed_model("llama")
+    rt = Runtime.from_model(model, backend="cpu")
+    cache = rt.new_cache(1, 16)
+    ids = _prompt(6)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[0, 0] = False  # a left-padded row: slot 0 must stay invisible
+    rt.step(ids, valid, cache)
+    assert not cache.all_valid
+    assert rt._native_for(cache) is None
+    rt.counter.trace = []
+    assert rt._native_for(rt.new_cache(1, 4)) is None
+
+
+def test_a_bad_token_id_is_refused(routed_model):
+    rt = Runtime.from_model(routed_model("llama"), backend="cpu")
+    cache = rt.new_cache(1, 8)
+    rt.step(_prompt(3), None, cache)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        rt._native_for(cache).step(rt.vocab_size, cache)
+
+
+def test_without_a_compiler_the_runtime_falls_back(monkeypatch, tmp_path, routed_model):
+    monkeypatch.setattr(cpu_native, "_LIB", None)
+    monkeypatch.setattr(cpu_native, "_LIB_ERROR", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("WIDE_CACHE", str(tmp_path / "cache"))
+    assert cpu_native.library() is None
+    assert "no C compiler" in cpu_native.unavailable_reason()
+    rt = Runtime.from_model(routed_model("llama"), backend="cpu")
+    logits, _ = _decode(rt, _prompt(5), None, 3)
+    assert rt._native is False and logits.shape == (3, rt.vocab_size)

@@ -1,0 +1,324 @@
+"""The cpu backend's native decode step: a whole batch-1 token in one C call (``kernels/cpu_decode.c``).
+
+The PyTorch decode path issues ~700 small ops per token, and on small models that overhead, not
+weight traffic, sets the speed. The C step runs the same routed math (DESIGN.md §1; weight
+layouts of ``runtime/cpu_proj.py``, so no weight is copied) with one call per token, reading only
+the weight bytes of the groups a token executes. The PyTorch path stays: it runs prefill, batches
+of more than one row, forced decisions and byte tracing, and it is the test oracle.
+
+Build: on first use the C source is compiled with the system compiler (``$CC``, default ``cc``;
+``-O3 -march=native``) into ``$WIDE_CACHE/native/<key>/`` (default ``~/.cache/wide``), keyed by the
+source, the compiler and this CPU's flags, written to a temporary name and renamed into place.
+``make setup`` builds it once. Without a compiler (or with ``WIDE_CPU_NATIVE=0``) the runtime uses
+the PyTorch path and says so once in the log.
+
+Threads: the step uses ``torch.get_num_threads()`` threads of its own small pool (not OpenMP:
+see the C file).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE_NAME = "cpu_decode.c"
+ABI = 1
+FMT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_I64 = ctypes.c_int64
+_P = ctypes.c_void_p
+
+
+class _WLayer(ctypes.Structure):
+    _fields_ = [(n, _I64) for n in ("H", "Hkv", "d", "ag", "GA", "fg", "GF", "window")] + [
+        (n, _P) for n in ("qkv", "qkv_s", "o", "o_s", "gu", "gu_s", "down", "down_s", "bqkv", "bo", "ln_attn",
+                          "ln_ffn", "q_norm", "k_norm", "ra_w", "ra_b", "rf_w", "rf_b", "sa", "sf", "keep_a",
+                          "keep_f", "k_cache", "v_cache")
+    ]  # fmt: skip
+
+
+class _WModel(ctypes.Structure):
+    _fields_ = [(n, _I64) for n in ("L", "D", "V", "max_len", "wfmt", "act_bf16", "head_fmt", "routing", "nthreads")] + [
+        ("eps", ctypes.c_float), ("rope_scale", ctypes.c_float),
+    ] + [(n, _P) for n in ("inv_freq", "embed", "final_norm", "head", "head_s", "layers", "stat_skipped",
+                           "stat_decisions")]  # fmt: skip
+
+
+def _source() -> Path:
+    from wide_cli.resources import shipped_dir
+
+    return shipped_dir("kernels") / SOURCE_NAME
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("WIDE_CACHE") or "~/.cache/wide").expanduser() / "native"
+
+
+COMPILE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+
+
+def build(force: bool = False) -> Path:
+    """Compile ``kernels/cpu_decode.c`` (once per source, compiler and CPU) and return the library path.
+
+    Raises:
+        RuntimeError: no C compiler, or the compile failed (its output in the message).
+    """
+    src = _source()
+    if not src.is_file():
+        raise RuntimeError(f"{src} is missing (a broken install)")
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler {cc!r} on PATH")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"{cc} --version failed: {e}") from e
+    key = hashlib.sha256(
+        b"\0".join(x.encode() for x in (src.read_text(), cc, version, " ".join(COMPILE_FLAGS), _cpu_flags()))
+    ).hexdigest()[:16]
+    out = _cache_root() / key / "libwide_cpu_decode.so"
+    if out.is_file() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cc, *COMPILE_FLAGS, "-o", tmp, str(src), "-lm", "-lpthread"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr.strip()}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+_LIB: ctypes.CDLL | None = None
+_LIB_ERROR: str | None = None
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded native library, or None (disabled by ``WIDE_CPU_NATIVE=0`` or not buildable;
+    the reason is logged once and kept in ``unavailable_reason()``)."""
+    global _LIB, _LIB_ERROR
+    if os.environ.get("WIDE_CPU_NATIVE", "1") == "0":
+        return None
+    if _LIB is not None or _LIB_ERROR is not None:
+        return _LIB
+    try:
+        lib = ctypes.CDLL(str(build()))
+        lib.wide_decode_abi.restype = _I64
+        if lib.wide_decode_abi() != ABI:
+            raise RuntimeError(f"native library ABI {lib.wide_decode_abi()} != {ABI}")
+        lib.wide_decode_step.restype = _I64
+        lib.wide_decode_step.argtypes = [ctypes.POINTER(_WModel), _I64, _I64, _I64, _P, _P, _P]
+        lib.wide_decode_scratch_floats.restype = _I64
+        lib.wide_decode_scratch_floats.argtypes = [ctypes.POINTER(_WModel)]
+        _LIB = lib
+    except (RuntimeError, OSError) as e:
+        _LIB_ERROR = str(e)
+        log.warning("native cpu decode unavailable, using the PyTorch path: %s", str(e).splitlines()[0])
+    return _LIB
+
+
+def unavailable_reason() -> str | None:
+    """Why ``library()`` is None (None when it loaded or was not tried)."""
+    if os.environ.get("WIDE_CPU_NATIVE", "1") == "0":
+        return "WIDE_CPU_NATIVE=0"
+    return _LIB_ERROR
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeDecoder:
+    """The native batch-1 decode step of one ``Runtime`` on the cpu backend.
+
+    Holds fp32 copies of the small per-layer vectors (norms, biases) and pointers to the backend's
+    weights (``_CpuLayer`` / ``Proj``), the engine's routers, stand-ins and keep masks, and the
+    sparsity statistics (the C step adds its decisions to them directly).
+
+    Raises:
+        ValueError: ``eligible`` is False for this runtime (call it first).
+    """
+
+    def __init__(self, rt, lib: ctypes.CDLL):
+        why = self.ineligible(rt)
+        if why:
+            raise ValueError(why)
+        self.lib, self.rt = lib, rt
+        self._keep: list = []  # tensors whose pointers the C structs hold
+        f32 = self._f32
+        L = rt.num_layers
+        self.layers = (_WLayer * L)()
+        for i, (m, p) in enumerate(zip(rt.meta, rt.layers)):
+            w = self.layers[i]
+            w.H, w.Hkv, w.d, w.ag = m.num_heads, m.num_kv_heads, m.head_dim, m.attn_group_size
+            w.GA, w.fg, w.GF, w.window = m.attn_groups, m.ffn_group_size, m.ffn_groups, m.window or 0
+            for name, proj in (("qkv", p.qkv), ("o", p.o), ("gu", p.gu), ("down", p.down)):
+                wt, s = self._proj(proj)
+                setattr(w, name, wt)
+                setattr(w, name + "_s", s)
+            w.bqkv, w.bo = f32(p.bqkv), f32(p.bo)
+            w.ln_attn, w.ln_ffn, w.q_norm, w.k_norm = f32(m.ln_attn), f32(m.ln_ffn), f32(m.q_norm), f32(m.k_norm)
+            ra, rf = m.routers["attention"], m.routers["ffn"]
+            w.ra_w, w.ra_b = (f32(ra[0]), f32(ra[1])) if ra is not None else (None, None)
+            w.rf_w, w.rf_b = (f32(rf[0]), f32(rf[1])) if rf is not None else (None, None)
+            w.sa, w.sf = f32(m.standins["attention"]), f32(m.standins["ffn"])
+            w.keep_a, w.keep_f = self._u8(m.keeps["attention"]), self._u8(m.keeps["ffn"])
+        mdl = self.model = _WModel()
+        mdl.L, mdl.D, mdl.V = L, rt.hidden_size, rt.vocab_size
+        mdl.wfmt = FMT_CODE[rt.layers[0].qkv.q.dtype if rt.layers[0].qkv.int8 else rt.layers[0].qkv.w.dtype]
+        mdl.act_bf16 = int(rt.dtype == torch.bfloat16)
+        mdl.eps, mdl.rope_scale = float(rt.eps), float(rt.rope_scale)
+        mdl.inv_freq, mdl.final_norm = f32(rt.inv_freq), f32(rt.final_norm)
+        mdl.embed = _ptr(rt.embed)
+        mdl.head, mdl.head_s = self._proj(rt.head)
+        mdl.head_fmt = 2 if rt.head.int8 else FMT_CODE[rt.head.w.dtype]
+        mdl.layers = ctypes.cast(self.layers, _P)
+        mdl.stat_skipped, mdl.stat_decisions = _ptr(rt.stats.skipped), _ptr(rt.stats.decisions)
+        self._cache_id = None
+        self._scratch = None
+        self.counts = torch.zeros(3, dtype=torch.int64)
+
+    @staticmethod
+    def ineligible(rt) -> str | None:
+        """Why ``rt`` cannot use the native step (None when it can)."""
+        be = rt.backend
+        if getattr(be, "name", None) != "cpu" or rt.device.type != "cpu":
+            return "not the cpu backend"
+        if rt.dtype not in (torch.float32, torch.bfloat16):
+            return f"compute dtype {rt.dtype}"
+        if rt.head is None:
+            return "no LM head in the backend's format"
+        d = {m.head_dim for m in rt.meta}
+        if len(d) > 1 or 2 * rt.inv_freq.numel() != d.pop():
+            return "head dims differ between layers"
+        for m in rt.meta:
+            if max(m.attn_groups, m.ffn_groups, m.num_heads) > 4096 or m.attn_group_size * m.head_dim > 4096:
+                return "more than 4096 groups or heads in a layer"
+        if rt.stats.skipped.dtype != torch.float64 or not rt.stats.skipped.is_contiguous():
+            return "sparsity statistics layout"
+        return None
+
+    def _f32(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        t = t.detach().to("cpu", torch.float32).contiguous()
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _u8(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        t = t.detach().to("cpu", torch.uint8).contiguous()
+        self._keep.append(t)
+        return t.data_ptr()
+
+    @staticmethod
+    def _proj(p) -> tuple[int, int | None]:
+        if p.int8:
+            return p.q.data_ptr(), p.s.data_ptr()
+        w = p.w if p.axis == "n" else p.w_t
+        return w.data_ptr(), None
+
+    def _bind(self, cache) -> None:
+        for i, w in enumerate(self.layers):
+            w.k_cache, w.v_cache = cache.k[i].data_ptr(), cache.v[i].data_ptr()
+        self.model.max_len = cache.max_len
+        n = self.lib.wide_decode_scratch_floats(ctypes.byref(self.model))
+        if self._scratch is None or self._scratch.numel() < n:
+            self._scratch = torch.empty(n, dtype=torch.float32)
+        self._cache_id = id(cache)
+        self._cache_ref = cache
+
+    def usable(self, cache) -> bool:
+        """Whether this step can run on ``cache`` (one row, the runtime's dtype, no padding)."""
+        return (
+            cache.batch == 1 and cache.all_valid and cache.k[0].dtype == self.rt.dtype
+            and all(k.is_contiguous() for k in cache.k[:1])
+        )  # fmt: skip
+
+    def _force(self, slot: int) -> list:
+        """Point the layers' keep masks at the forced decisions of ``slot`` (``Runtime.forced``:
+        ``[G]`` for every token or ``[1, S_max, G]`` by slot; they win over routers as in the
+        engine). Returns what to restore."""
+        saved, rows = [], []
+        for i, w in enumerate(self.layers):
+            saved.append((w, w.keep_a, w.keep_f))
+            for mod, attr in (("attention", "keep_a"), ("ffn", "keep_f")):
+                f = self.rt.forced.get((i, mod))
+                if f is None:
+                    continue
+                row = (f if f.dim() == 1 else f[0, slot]).to("cpu", torch.uint8).contiguous()
+                rows.append(row)
+                setattr(w, attr, row.data_ptr())
+        self._forced_rows = rows  # alive until the next step
+        return saved
+
+    def step(self, token: int, cache) -> torch.Tensor:
+        """Run ``token`` through every layer into the next slot of ``cache`` (batch 1, all slots
+        real); returns fp32 logits ``[1, V]``. Adds executed multiply-adds to the runtime's
+        ``Counter`` and decisions to its sparsity statistics.
+
+        Raises:
+            ValueError: a token id outside the vocabulary, or a full cache.
+        """
+        if not 0 <= token < self.model.V:
+            raise ValueError(f"token id {token} outside the vocabulary [0, {self.model.V})")
+        if self._cache_id != id(cache):
+            self._bind(cache)
+        slot, pos = cache.append_one()
+        self.model.nthreads = torch.get_num_threads()
+        self.model.routing = int(self.rt.routing)
+        logits = torch.empty(1, self.model.V, dtype=torch.float32)
+        c = self.counts
+        c.zero_()
+        saved = self._force(slot) if self.rt.forced else None
+        try:
+            rc = self.lib.wide_decode_step(ctypes.byref(self.model), token, pos, slot, logits.data_ptr(),
+                                           c.data_ptr(), self._scratch.data_ptr())
+        finally:
+            if saved is not None:
+                for w, ka, kf in saved:
+                    w.keep_a, w.keep_f = ka, kf
+        if rc != 0:
+            raise ValueError(f"native decode step refused token {token} at slot {slot}")
+        macs, attn, router = c.tolist()
+        ctr = self.rt.counter
+        ctr.macs += macs
+        ctr.attn_macs += attn
+        ctr.router_macs += router
+        return logits
+
+
+if __name__ == "__main__":  # `make native`: build (or find) the library, print its path
+    import sys
+
+    try:
+        print(build())
+    except RuntimeError as e:
+        print(f"error: the native cpu decode step does not build: {e}", file=sys.stderr)
+        sys.exit(1)
