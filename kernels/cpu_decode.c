@@ -42,14 +42,15 @@
 #endif
 #endif
 
-#define WIDE_DECODE_ABI 1
+#define WIDE_DECODE_ABI 2
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2 };
 
 typedef struct {
     int64_t H, Hkv, d, ag, GA, fg, GF, window; /* window 0: none; ag: heads per attention group */
+    int64_t blocked;                           /* bf16 o / down given as [GROUPS, D, g] blocks */
     const void *qkv;  const uint16_t *qkv_s;   /* [(H + 2 Hkv) d, D]; int8: bf16 scale per row */
-    const void *o;    const uint16_t *o_s;     /* float: w_t [H d, D]; int8: q [GA, D, ag d], s [GA, D] */
+    const void *o;    const uint16_t *o_s;     /* float: w_t [H d, D] or blocked; int8: q [GA, D, ag d], s [GA, D] */
     const void *gu;   const uint16_t *gu_s;    /* [GF 2 fg, D] group-major gate | up */
     const void *down; const uint16_t *down_s;  /* float: w_t [GF fg, D]; int8: q [GF, D, fg], s [GF, D] */
     const float *bqkv, *bo;                    /* fp32 biases or NULL */
@@ -450,7 +451,7 @@ static void pool_run(job_fn fn, void *arg) {
 /* A projection job: rows [r0, r1) of an axis-n projection into y, split by rows; or the float
  * axis-k accumulate y[0:N] += a @ w_t[c0:c1], split by output columns; or int8 axis-k groups. */
 typedef struct {
-    int64_t kind; /* 0 rows_dot, 1 float axis-k, 2 int8 axis-k */
+    int64_t kind; /* 0 rows_dot, 1 float axis-k (w_t), 2 axis-k in per-group blocks (int8, bf16) */
     int64_t fmt, K, r0, r1, N, g, nruns;
     const void *W;
     const uint16_t *S;
@@ -487,15 +488,17 @@ static void proj_job(void *arg, int64_t part, int64_t parts) {
             else
                 axpy_bf16((const uint16_t *)j->W + c0 * j->N + lo, j->N, hi - lo, C, j->a + c0, j->y + lo);
         } else {
-            /* int8 block q [GROUPS, N, g], s [GROUPS, N]: rows [lo, hi) of each active block */
+            /* blocks [GROUPS, N, g] (int8 with scales s [GROUPS, N], or bf16): rows [lo, hi) of
+             * each active block */
             float tmp[256];
             for (int64_t jj = j0; jj < j1; jj++) {
-                const int8_t *q = (const int8_t *)j->W + jj * j->N * j->g;
-                const uint16_t *s = j->S + jj * j->N;
+                const size_t esz = j->fmt == FMT_I8 ? 1 : 2;
+                const void *q = (const char *)j->W + (size_t)(jj * j->N * j->g) * esz;
+                const uint16_t *s = j->S ? j->S + jj * j->N : NULL;
                 Vec vj = vec_slice(j->x, jj * j->g, j->g);
                 for (int64_t r0 = lo; r0 < hi; r0 += 256) {
                     int64_t r1 = r0 + 256 < hi ? r0 + 256 : hi;
-                    rows_dot(FMT_I8, q, s, j->g, r0, r1, &vj, tmp);
+                    rows_dot(j->fmt, q, s, j->g, r0, r1, &vj, tmp);
                     for (int64_t i = 0; i < r1 - r0; i++) j->y[r0 + i] += tmp[i];
                 }
             }
@@ -511,11 +514,12 @@ static void run_rows(int64_t fmt, const void *W, const uint16_t *S, int64_t K, i
     else proj_job(&j, 0, 1);
 }
 
-/* y[0:N] += a[groups] @ W[groups] for the runs of active groups (axis-k projection). */
-static void run_k(int64_t fmt, const void *W, const uint16_t *S, int64_t N, int64_t g, const int64_t *runs,
-                  int64_t nruns, const Vec *a, float *y) {
+/* y[0:N] += a[groups] @ W[groups] for the runs of active groups (axis-k projection); blocked:
+ * W is [GROUPS, N, g] (always for int8; bf16 when the caller laid it out so), else w_t [K, N]. */
+static void run_k(int64_t fmt, int64_t blocked, const void *W, const uint16_t *S, int64_t N, int64_t g,
+                  const int64_t *runs, int64_t nruns, const Vec *a, float *y) {
     if (nruns == 0) return;
-    ProjJob j = {fmt == FMT_I8 ? 2 : 1, fmt, 0, 0, 0, N, g, nruns, W, S, a, y, runs, a->x};
+    ProjJob j = {blocked || fmt == FMT_I8 ? 2 : 1, fmt, 0, 0, 0, N, g, nruns, W, S, a, y, runs, a->x};
     if (g_pool.n > 1) pool_run(proj_job, &j);
     else proj_job(&j, 0, 1);
 }
@@ -742,7 +746,7 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
     if (L->bo) for (int64_t i = 0; i < D; i++) y[i] = L->bo[i];
     else memset(y, 0, (size_t)D * sizeof(float));
     Vec vatt = prepare_vec(fmt, att, Nq);
-    run_k(fmt, L->o, L->o_s, D, cols, runs, nr, &vatt, y);
+    run_k(fmt, L->blocked, L->o, L->o_s, D, cols, runs, nr, &vatt, y);
     cnt[0] += na * cols * D;
     for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
     add_standins(L->sa, exa, L->GA, D, bf, x, tmpD);
@@ -770,7 +774,7 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
         }
     memset(y, 0, (size_t)D * sizeof(float));
     Vec vact = prepare_vec(fmt, act, L->GF * fg);
-    run_k(fmt, L->down, L->down_s, D, fg, runs, nr, &vact, y);
+    run_k(fmt, L->blocked, L->down, L->down_s, D, fg, runs, nr, &vact, y);
     cnt[0] += nf * fg * D;
     for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
     add_standins(L->sf, exf, L->GF, D, bf, x, tmpD);

@@ -170,3 +170,18 @@ def test_without_a_compiler_the_runtime_falls_back(monkeypatch, tmp_path, routed
     rt = Runtime.from_model(routed_model("llama"), backend="cpu")
     logits, _ = _decode(rt, _prompt(5), None, 3)
     assert rt._native is False and logits.shape == (3, rt.vocab_size)
+
+
+def test_decode_mode_perplexity_equals_the_prefill_one_in_fp32(routed_model):
+    """``wide bench``'s perplexity of the decode path (token by token, the native step) scores the
+    same tokens as the prefill path and, in fp32, gives the same value."""
+    from wide_cli.bench.quality import runtime_perplexity
+
+    rt = Runtime.from_model(routed_model("llama"), backend="cpu")
+    ids = torch.randint(5, 100, (70,), generator=torch.Generator().manual_seed(2))
+    pre = runtime_perplexity(rt, ids, 32, "prefill")
+    dec = runtime_perplexity(rt, ids, 32, "decode")
+    assert isinstance(rt._native, cpu_native.NativeDecoder)
+    assert dec["tokens_scored"] == pre["tokens_scored"] > 60
+    assert abs(dec["perplexity"] / pre["perplexity"] - 1) < 1e-4
+    assert dec["sparsity"] == pre["sparsity"]

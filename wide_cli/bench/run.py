@@ -90,18 +90,22 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
         torch.set_num_threads(min(cfg.threads) or torch.get_num_threads())
         for fmt in cfg.weights:
             rt = runtime_for("cpu", fmt)
-            for routed in (True,):  # the routed model is what each format ships
-                rt.routing, rt.forced = routed, {}
+            rt.routing, rt.forced = True, {}  # the routed model is what each format ships
+            # prefill: the PyTorch path; decode: token by token, the path generation runs (the
+            # native step, whose int8 kernels also round activations, see kernels/cpu_decode.c)
+            for mode in ("prefill", "decode"):
                 t = time.perf_counter()
-                res = runtime_perplexity(rt, ids, cfg.ppl_seq_len)
+                res = runtime_perplexity(rt, ids, cfg.ppl_seq_len, mode)
                 res["seconds"] = time.perf_counter() - t
-                quality[f"{'routed' if routed else 'dense'} {fmt}"] = res
-                log(f"WikiText-2 perplexity {'routed' if routed else 'dense'} {fmt}: {res['perplexity']:.3f}")
-        base = quality.get("routed fp32")
-        if base:
-            for k, v in quality.items():
-                if k.startswith("routed"):
-                    v["vs_routed_fp32"] = v["perplexity"] / base["perplexity"] - 1
+                res["mode"] = mode
+                res["path"] = "torch" if mode == "prefill" or rt._native in (None, False) else "native"
+                key = f"routed {fmt}" + ("" if mode == "prefill" else " decode")
+                quality[key] = res
+                log(f"WikiText-2 perplexity {key} ({res['path']}): {res['perplexity']:.3f}")
+        for k, v in quality.items():
+            base = quality.get("routed fp32" + (" decode" if k.endswith(" decode") else ""))
+            if base:
+                v["vs_routed_fp32"] = v["perplexity"] / base["perplexity"] - 1
 
     gguf_dir = None
     if llama_types:

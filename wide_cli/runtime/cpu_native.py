@@ -33,14 +33,14 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "cpu_decode.c"
-ABI = 1
+ABI = 2
 FMT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
 
 
 class _WLayer(ctypes.Structure):
-    _fields_ = [(n, _I64) for n in ("H", "Hkv", "d", "ag", "GA", "fg", "GF", "window")] + [
+    _fields_ = [(n, _I64) for n in ("H", "Hkv", "d", "ag", "GA", "fg", "GF", "window", "blocked")] + [
         (n, _P) for n in ("qkv", "qkv_s", "o", "o_s", "gu", "gu_s", "down", "down_s", "bqkv", "bo", "ln_attn",
                           "ln_ffn", "q_norm", "k_norm", "ra_w", "ra_b", "rf_w", "rf_b", "sa", "sf", "keep_a",
                           "keep_f", "k_cache", "v_cache")
@@ -181,6 +181,12 @@ class NativeDecoder:
                 wt, s = self._proj(proj)
                 setattr(w, name, wt)
                 setattr(w, name + "_s", s)
+            if p.o.fmt == "bf16":
+                # bf16 O / down as per-group blocks [G, D, g]: a block is a dot product over its g
+                # channels (AVX512-BF16 pairs along the reduction), 3.4x faster than the w_t axpy
+                # form; a copy of these two projections (~1/3 of a layer's weights) for this step.
+                w.blocked = 1
+                w.o, w.down = self._blocked(p.o), self._blocked(p.down)
             w.bqkv, w.bo = f32(p.bqkv), f32(p.bo)
             w.ln_attn, w.ln_ffn, w.q_norm, w.k_norm = f32(m.ln_attn), f32(m.ln_ffn), f32(m.q_norm), f32(m.k_norm)
             ra, rf = m.routers["attention"], m.routers["ffn"]
@@ -236,6 +242,13 @@ class NativeDecoder:
         t = t.detach().to("cpu", torch.uint8).contiguous()
         self._keep.append(t)
         return t.data_ptr()
+
+    def _blocked(self, p) -> int:
+        """A float axis-k ``Proj`` (``w_t [K, N]``) as ``[K / g, N, g]`` blocks; returns the pointer."""
+        K, N = p.w_t.shape
+        b = p.w_t.view(K // p.g, p.g, N).transpose(1, 2).contiguous()
+        self._keep.append(b)
+        return b.data_ptr()
 
     @staticmethod
     def _proj(p) -> tuple[int, int | None]:
