@@ -167,10 +167,12 @@ def pack_documents(
 
 
 def cache_key(source: str, tokenizer, seq_len: int, *, heldout_fraction: float, max_tokens: int | None,
-              seed: int | None) -> str:
+              seed: int | None, extra_source: str | None = None) -> str:
     """Hex key of everything that determines the packed tensors."""
+    extra = {} if extra_source is None else {"extra_source": source_fingerprint(extra_source)}
     blob = json.dumps(
         {
+            **extra,
             "version": PACKING_VERSION,
             "tokenizer": tokenizer_fingerprint(tokenizer),
             "source": source_fingerprint(source),
@@ -193,8 +195,10 @@ def load_or_build(
     heldout_fraction: float = 0.1,
     max_tokens: int | None = None,
     seed: int | None = 0,
+    extra_source: str | None = None,
 ) -> PackedData:
     """Packed data for ``source``, from ``cache_dir`` when an entry with the same key exists.
+    ``extra_source``: a second source whose documents come before ``source``'s (in the key too).
 
     The key covers the tokenizer (class, vocab, EOS), the source (file paths, sizes, mtimes, or
     the id), ``seq_len``, ``heldout_fraction``, ``max_tokens`` and ``seed``. An entry is
@@ -211,7 +215,7 @@ def load_or_build(
     _check_settings(seq_len, heldout_fraction, max_tokens)
     cache_dir = Path(cache_dir)
     key = cache_key(source, tokenizer, seq_len, heldout_fraction=heldout_fraction, max_tokens=max_tokens,
-                    seed=seed)
+                    seed=seed, extra_source=extra_source)
     tensors_path = cache_dir / f"packed-{key}.safetensors"
     meta_path = cache_dir / f"packed-{key}.json"
     if tensors_path.exists() and meta_path.exists():
@@ -224,9 +228,12 @@ def load_or_build(
         except (OSError, ValueError, KeyError, SafetensorError) as e:  # torn or foreign entry: rebuild it
             logger.warning("ignoring unreadable packed-data cache %s (%s)", tensors_path, e)
 
-    packed = pack_documents(read_documents(source), tokenizer, seq_len, heldout_fraction=heldout_fraction,
+    docs = (read_documents(extra_source) if extra_source else []) + read_documents(source)
+    packed = pack_documents(docs, tokenizer, seq_len, heldout_fraction=heldout_fraction,
                             max_tokens=max_tokens, seed=seed)
     packed.meta.update(source=source, cache_key=key)
+    if extra_source:
+        packed.meta["extra_source"] = extra_source
     cache_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(tensors_path, save({"train": packed.train.contiguous(), "heldout": packed.heldout.contiguous()}))
     atomic_write_bytes(meta_path, (json.dumps(packed.meta, indent=2) + "\n").encode())

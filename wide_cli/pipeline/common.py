@@ -3,10 +3,14 @@ packed training data of a run, and the identity a stage's checkpoint is tied to.
 
 from __future__ import annotations
 
+import logging
 import warnings
+from pathlib import Path
 
 from wide_cli.pipeline.rundir import RunDir, model_identity
 from wide_cli.pipeline.settings import Settings
+
+log = logging.getLogger("wide")
 
 
 def effective_settings(settings: Settings) -> Settings:
@@ -69,16 +73,21 @@ def stage_identity(settings: Settings, loaded, *, stage: str) -> dict:
         "data": settings.data.train,
         "router_init": settings.run.router_init,
     }
+    if settings.data.self_generated:
+        ident["self_generated"] = [settings.data.self_generated, settings.data.self_generated_tokens]
     if stage == "stage2":
         ident["stage2"] = {**settings.stage2.__dict__, "target_modules": list(settings.stage2.target_modules)}
     return ident
 
 
-def packed_data(settings: Settings, tokenizer, run: RunDir):
+def packed_data(settings: Settings, tokenizer, run: RunDir, *, model=None):
     """The run's packed training data (``PackedData``: ``train``/``heldout`` ``[N, seq_len]``
-    int64), built once and cached in ``<run>/calibration/data``."""
+    int64), built once and cached in ``<run>/calibration/data``. With ``[data] self_generated``
+    the dense model's own chat transcripts come first (``self_generated_file``; ``model`` is the
+    dense model that writes them, needed only the first time)."""
     from wide_cli.data.packing import load_or_build
 
+    extra = self_generated_file(settings, tokenizer, run, model) if settings.data.self_generated else None
     return load_or_build(
         settings.data.train,
         tokenizer,
@@ -87,4 +96,44 @@ def packed_data(settings: Settings, tokenizer, run: RunDir):
         heldout_fraction=settings.data.heldout_fraction,
         max_tokens=settings.data.max_train_tokens,
         seed=settings.train.seed if settings.data.shuffle_documents else None,
+        extra_source=None if extra is None else str(extra),
     )
+
+
+def self_generated_file(settings: Settings, tokenizer, run: RunDir, model=None) -> Path:
+    """``<run>/calibration/data/self-generated-<key>.jsonl``: ``[data] self_generated`` chat
+    transcripts written by the dense ``model`` (``data/self_generated.py``), generated once and
+    kept (the key covers the tokenizer, the count, the answer length and the seed).
+
+    Raises:
+        DataError: the file is missing and no model was given (the calibrate stage writes it).
+        ConfigError: the model has no chat template.
+    """
+    import hashlib
+    import json
+
+    from wide_cli.atomic import atomic_write_bytes
+    from wide_cli.data.packing import tokenizer_fingerprint
+    from wide_cli.errors import DataError
+
+    d = settings.data
+    key = hashlib.sha256(json.dumps({"tokenizer": tokenizer_fingerprint(tokenizer), "n": d.self_generated,
+                                     "tokens": d.self_generated_tokens, "seed": settings.train.seed},
+                                    sort_keys=True).encode()).hexdigest()[:16]  # fmt: skip
+    path = run.calibration / "data" / f"self-generated-{key}.jsonl"
+    if path.is_file():
+        return path
+    if model is None:
+        raise DataError(f"{path} is missing (the dense model's own training text)",
+                        "run the calibrate stage again: wide prune ... --resume")  # fmt: skip
+    from wide_cli.data.self_generated import generate_chat_documents
+
+    log.info("writing %d self-generated chat transcripts with the dense model (<= %d answer tokens each)",
+             d.self_generated, d.self_generated_tokens)
+    docs = generate_chat_documents(
+        model, tokenizer, n=d.self_generated, max_new_tokens=d.self_generated_tokens, seed=settings.train.seed,
+        progress=lambda done, n: log.info("self-generated transcripts: %d/%d", done, n),
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, "".join(json.dumps({"text": t}) + "\n" for t in docs).encode())
+    return path

@@ -37,17 +37,25 @@ class DataSection:
     share of packed sequences kept out of training; ``max_train_tokens``: cap on tokenised
     training data (None = all); ``shuffle_documents``: shuffle documents (seeded by
     ``train.seed``) before packing, so that the held-out split is not the tail of a sorted corpus;
-    False keeps file order (held-out = the last sequences)."""
+    False keeps file order (held-out = the last sequences). ``self_generated``: that many chat
+    transcripts written by the dense model itself (Magpie prompts, sampled answers of at most
+    ``self_generated_tokens`` tokens; ``data/self_generated.py``) are added before ``train``'s
+    documents (and shuffled with them when ``shuffle_documents``; 0 = none; needs a chat model)."""
 
     train: str = "builtin:pydoc"
     eval: str | None = None
     heldout_fraction: float = 0.1
     max_train_tokens: int | None = None
     shuffle_documents: bool = True
+    self_generated: int = 0
+    self_generated_tokens: int = 192
 
     def __post_init__(self):
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ConfigError(f"heldout-fraction {self.heldout_fraction} must be in [0, 1)")
+        if self.self_generated < 0 or self.self_generated_tokens < 1:
+            raise ConfigError(f"self_generated {self.self_generated} must be >= 0 and self_generated_tokens "
+                              f"{self.self_generated_tokens} >= 1")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ def calibrate(settings: Settings, run: RunDir, *, resume: bool = False, loaded=N
     t0 = time.perf_counter()
     loaded = loaded or load_backbone(settings)
     record_run(run, settings.to_dict(), model_identity(loaded), resume=resume)
-    packed = packed_data(settings, loaded.tokenizer, run)
+    packed = packed_data(settings, loaded.tokenizer, run, model=loaded.model)  # the dense model, before any pruning
     # hybrid: statistics (router init, stand-ins) of the layers that stay, in the pruned model
     from wide_cli.pipeline.static_depth import apply_drop_layers
 

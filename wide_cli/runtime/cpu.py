@@ -14,6 +14,12 @@ step), in the backend's weight format (``fp32``, ``bf16`` or ``int8`` weight-onl
 Every GEMM adds its multiply-adds to ``Counter`` (``wide bench``'s executed share) and, in tests,
 the byte spans it read (a skipped group reads none).
 
+Decode at batch 1 does not come here: ``Runtime.step`` hands a one-row, one-token step to the
+native step (``runtime/cpu_native.py``, ``kernels/cpu_decode.c``), which reads these same ``Proj``
+tensors from C, one call per token. This module runs prefill, batches of several rows, padded caches
+and byte tracing, and is the native step's oracle in tests. The measurements below are of this
+PyTorch path.
+
 int8 decode, profiled with the torch profiler on the SmolLM2-135M demo export (batch 1, 1 thread,
 shared machine): 56 % of the step is the int8 GEMM itself (~14 calls per layer plus the LM head,
 3.9 ms of ~18 ms per token), the rest ~700 small ops per token (casts, norms, RoPE, masks); with

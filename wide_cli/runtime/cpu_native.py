@@ -1,15 +1,16 @@
 """The cpu backend's native decode step: a whole batch-1 token in one C call (``kernels/cpu_decode.c``).
 
 The PyTorch decode path issues ~700 small ops per token, and on small models that overhead, not
-weight traffic, sets the speed. The C step runs the same routed math (DESIGN.md §1; weight
-layouts of ``runtime/cpu_proj.py``, so no weight is copied) with one call per token, reading only
-the weight bytes of the groups a token executes. The PyTorch path stays: it runs prefill, batches
-of more than one row, forced decisions and byte tracing, and it is the test oracle.
+weight traffic, set the speed. The C step runs the same routed math (DESIGN.md §1) with one call
+per token on the weight layouts of ``runtime/cpu_proj.py`` (only bf16 O and down are re-blocked,
+a copy of those two), reading only the weight bytes of the groups a token executes. The PyTorch
+path stays: it runs prefill, batches of more than one row, padded caches and byte tracing, and it
+is the test oracle.
 
 Build: on first use the C source is compiled with the system compiler (``$CC``, default ``cc``;
 ``-O3 -march=native``) into ``$WIDE_CACHE/native/<key>/`` (default ``~/.cache/wide``), keyed by the
 source, the compiler and this CPU's flags, written to a temporary name and renamed into place.
-``make setup`` builds it once. Without a compiler (or with ``WIDE_CPU_NATIVE=0``) the runtime uses
+``make native`` (run by ``make test``) builds it once. Without a compiler (or with ``WIDE_CPU_NATIVE=0``) the runtime uses
 the PyTorch path and says so once in the log.
 
 Threads: the step uses ``torch.get_num_threads()`` threads of its own small pool (not OpenMP:
@@ -90,7 +91,7 @@ def build(force: bool = False) -> Path:
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler {cc!r} on PATH")
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+        version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"{cc} --version failed: {e}") from e
     key = hashlib.sha256(
@@ -104,7 +105,7 @@ def build(force: bool = False) -> Path:
     os.close(fd)
     cmd = [cc, *COMPILE_FLAGS, "-o", tmp, str(src), "-lm", "-lpthread"]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr.strip()}")
         os.replace(tmp, out)
