@@ -65,12 +65,14 @@ lint: setup
 	$(VENV)/bin/ruff check wide_cli tests
 
 # llama.cpp for `wide bench` (the optional `llama` extra): llama-cpp-python compiles llama.cpp from
-# source, 34 min on the 2-core dev box under load (not installed by `setup`, nor by CI).
+# source (not installed by `setup`, nor by CI). Without the multimodal library, tests and examples
+# it took ~10 min on one core of the dev box (34 min with everything).
 LLAMA_STAMP := $(VENV)/.wide-llama-stamp
 llama-setup: $(LLAMA_STAMP)
 
 $(LLAMA_STAMP): $(STAMP)
-	$(PIP) install -q -e '.[llama]'
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+	  $(PIP) install -q -e '.[llama]'
 	touch $(LLAMA_STAMP)
 
 # The issue-12 acceptance run: llama.cpp F16/Q8_0, HF and the runtime (dense, routed) in fp32, bf16

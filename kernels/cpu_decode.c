@@ -15,8 +15,10 @@
  *
  * Weight layouts are the cpu backend's Proj layouts (runtime/cpu_proj.py): axis-n projections
  * (QKV, gate/up, LM head) as rows [N, K]; axis-k projections (O, down) as w_t [K, N] for float
- * formats and, for int8, one block q [N, g] plus one bf16 scale per row for each routed group.
- * int8 is weight-only: y[n] = s[n] * sum_k q[n, k] x[k] with x in fp32.
+ * formats and, for int8, one block q [N, g] plus one bf16 scale per row for each routed group
+ * (bf16 O / down may be given in that blocked form too). int8: y[n] = s[n] * sum_k q[n, k] x[k];
+ * where the CPU has AVX512-VNNI, x is itself rounded to int8 per block of 64 values (see Vec) and
+ * the products are int8 x int8, as llama.cpp's Q8_0 does; without VNNI x stays fp32.
  *
  * Threads: a step may split every projection's rows (and the attention heads) between the calling
  * thread and nthreads - 1 workers of this library's own pool (not OpenMP: a second OpenMP runtime
