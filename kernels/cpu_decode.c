@@ -394,7 +394,7 @@ typedef struct {
     int64_t idx[15];
 } Pool;
 
-static Pool g_pool;
+static Pool g_pool = {.n = 1, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
 static void *worker(void *p) {
     int64_t me = *(int64_t *)p;
@@ -422,7 +422,19 @@ static void *worker(void *p) {
     }
 }
 
+/* A forked child has none of the parent's workers: it runs single-threaded until resized. */
+static void pool_after_fork_child(void) {
+    g_pool.n = 1;
+    pthread_mutex_init(&g_pool.mu, NULL);
+    pthread_cond_init(&g_pool.cv, NULL);
+}
+
 static void pool_resize(int64_t n) {
+    static int fork_handler;
+    if (!fork_handler) {
+        pthread_atfork(NULL, NULL, pool_after_fork_child);
+        fork_handler = 1;
+    }
     if (n < 1) n = 1;
     if (n > 16) n = 16;
     if (n == g_pool.n) return;
