@@ -15,9 +15,10 @@
  *
  * Weight layouts are the cpu backend's Proj layouts (runtime/cpu_proj.py): axis-n projections
  * (QKV, gate/up, LM head) as rows [N, K]; axis-k projections (O, down) as w_t [K, N] for float
- * formats and, for int8, one block q [N, g] plus one bf16 scale per row for each routed group
- * (bf16 O / down may be given in that blocked form too). int8: y[n] = s[n] * sum_k q[n, k] x[k];
- * where the CPU has AVX512-VNNI, x is itself rounded to int8 per block of 64 values (see Vec) and
+ * formats and, for int8, one block q [N, g] per routed group (bf16 O / down may be given in that
+ * blocked form too). int8 has one fp32 scale per row and block of 32 reduction channels
+ * (wide_cli/quant.py), its bytes pair-interleaved (I8_LAYOUT): y[n] = sum_b s[n, b] sum_{k in b}
+ * q[n, k] x[k]; where the CPU has AVX512-VNNI, x is itself rounded to int8 per block of 32 (Vec) and
  * the products are int8 x int8, as llama.cpp's Q8_0 does; without VNNI x stays fp32.
  *
  * Threads: a step may split every projection's rows (and the attention heads) between the calling
@@ -44,17 +45,17 @@
 #endif
 #endif
 
-#define WIDE_DECODE_ABI 2
+#define WIDE_DECODE_ABI 4
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2 };
 
 typedef struct {
     int64_t H, Hkv, d, ag, GA, fg, GF, window; /* window 0: none; ag: heads per attention group */
     int64_t blocked;                           /* bf16 o / down given as [GROUPS, D, g] blocks */
-    const void *qkv;  const uint16_t *qkv_s;   /* [(H + 2 Hkv) d, D]; int8: bf16 scale per row */
-    const void *o;    const uint16_t *o_s;     /* float: w_t [H d, D] or blocked; int8: q [GA, D, ag d], s [GA, D] */
-    const void *gu;   const uint16_t *gu_s;    /* [GF 2 fg, D] group-major gate | up */
-    const void *down; const uint16_t *down_s;  /* float: w_t [GF fg, D]; int8: q [GF, D, fg], s [GF, D] */
+    const void *qkv;  const float *qkv_s;     /* [(H + 2 Hkv) d, D]; int8: bf16 scales [N, D / 32] */
+    const void *o;    const float *o_s;       /* float: w_t [H d, D] or blocked; int8: q [GA, D, ag d], s [GA, D, ag d / 32] */
+    const void *gu;   const float *gu_s;      /* [GF 2 fg, D] group-major gate | up */
+    const void *down; const float *down_s;    /* float: w_t [GF fg, D]; int8: q [GF, D, fg], s [GF, D, fg / 32] */
     const float *bqkv, *bo;                    /* fp32 biases or NULL */
     const float *ln_attn, *ln_ffn, *q_norm, *k_norm; /* fp32; q/k norms [d] or NULL */
     const float *ra_w, *ra_b, *rf_w, *rf_b;    /* folded routers [G, D], [G] or NULL */
@@ -69,7 +70,7 @@ typedef struct {
     const float *inv_freq;          /* [d / 2] */
     const void *embed;              /* [V, D] in the compute dtype */
     const float *final_norm;        /* [D] */
-    const void *head; const uint16_t *head_s; /* [V, D] in head_fmt */
+    const void *head; const float *head_s;    /* [V, D] in head_fmt */
     WLayer *layers;
     double *stat_skipped, *stat_decisions;    /* [L, 2] float64 (SparsityStats) or NULL */
 } WModel;
@@ -168,65 +169,90 @@ static inline float cv_i8(const int8_t *w, int64_t k) { return (float)w[k]; }
 
 static void dot_f32(const float *W, int64_t K, int64_t n, const float *x, float *y) { DOT_BODY(float, ld_f32, cv_f32) }
 static void dot_bf16(const uint16_t *W, int64_t K, int64_t n, const float *x, float *y) { DOT_BODY(uint16_t, ld_bf16, cv_bf16) }
-static void dot_i8(const int8_t *W, int64_t K, int64_t n, const float *x, float *y) { DOT_BODY(int8_t, ld_i8, cv_i8) }
+
+/* I8_LAYOUT: an int8 row of K bytes is cut into chunks of 64 (two blocks of 32); inside a chunk
+ * the 4-byte groups alternate between the blocks: bytes 8k..8k+3 are the first block's 4k..4k+3,
+ * bytes 8k+4..8k+7 the second block's. vpdpbusd sums 4 adjacent bytes per int32 lane, so its 16
+ * lanes alternate between the two blocks and one broadcast pair [s0 s1 s0 s1 ...] scales them.
+ * When K / 32 is odd the last block stays in natural order (32 bytes). Built by
+ * runtime/cpu_proj.py (Proj, int8). Scales: fp32, one per (row, block). */
+static inline int64_t i8_pos(int64_t k, int64_t K) { /* byte offset of reduction channel k */
+    int64_t c = k / 64;
+    if (64 * c + 64 > K) return k; /* trailing half chunk: natural order */
+    int64_t i = k % 64, blk = i / 32, j = i % 32;
+    return 64 * c + 8 * (j / 4) + 4 * blk + j % 4;
+}
+
+/* int8 rows with one fp32 scale per (row, block of 32): y[r] = sum_b S[r, b] sum_{k in b} W[r, k] x[k]
+ * (the fp32-activation path, for CPUs without VNNI: portable, not fast). */
+static void dot_i8_blocks(const int8_t *W, const float *S, int64_t K, int64_t n, const float *x, float *y) {
+    const int64_t nb = K / 32;
+    for (int64_t r = 0; r < n; r++) {
+        const int8_t *w = W + r * K;
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; b++) {
+            float sb = 0.f;
+            for (int64_t k = 32 * b; k < 32 * b + 32; k++) sb += (float)w[i8_pos(k, K)] * x[k];
+            acc += sb * S[r * nb + b];
+        }
+        y[r] = acc;
+    }
+}
 
 /* An input vector of a projection with the forms the fast kernels read, prepared once per vector:
  * - int8 weights (VNNI): x quantized per block of QBLOCK values, symmetric, scale max|x| / 127 (as
- *   llama.cpp quantizes activations for Q8_0 dot products): |q| as u8 (qa), the sign bits of each
- *   block (qneg) and the block scales (qs). The int8 x int8 products are exact in int32; the error
+ *   llama.cpp quantizes activations for Q8_0 dot products): q as int8 in natural order (qa) and
+ *   the block scales (qs). The int8 x int8 products are exact in int32; the error
  *   is the activation rounding, at most half a step of its block.
  * - bf16 weights (AVX512-BF16): x as bf16 (xb); exact when x is already bf16-valued, which it is
  *   whenever the compute dtype is bf16 (the PyTorch path feeds bf16 activations to its GEMMs).
  * Both need K to be a multiple of the block; otherwise the fp32 kernels above run. */
-#define QBLOCK 64
+#define QBLOCK 32 /* activation block = weight scale block (wide_cli/quant.py INT8_BLOCK) */
 
 typedef struct {
     const float *x;
     int64_t K;
-    const uint8_t *qa;
-    const uint64_t *qneg;
+    const int8_t *qa;
     const float *qs;
     const uint16_t *xb;
 } Vec;
 
-static uint8_t *g_qa;
-static uint64_t *g_qneg;
+static int8_t *g_qa;
 static float *g_qs;
 static uint16_t *g_xb;
 static int64_t g_vec_cap;
 
 static int vec_reserve(int64_t K) {
     if (K <= g_vec_cap) return 0;
-    free(g_qa); free(g_qneg); free(g_qs); free(g_xb);
+    free(g_qa); free(g_qs); free(g_xb);
     g_qa = aligned_alloc(64, (size_t)((K + 63) / 64 * 64));
-    g_qneg = malloc((size_t)(K / QBLOCK + 1) * sizeof(uint64_t));
     g_qs = malloc((size_t)(K / QBLOCK + 1) * sizeof(float));
     g_xb = malloc((size_t)K * sizeof(uint16_t));
-    if (!g_qa || !g_qneg || !g_qs || !g_xb) { g_vec_cap = 0; return -1; }
+    if (!g_qa || !g_qs || !g_xb) { g_vec_cap = 0; return -1; }
     g_vec_cap = K;
     return 0;
 }
 
 static Vec prepare_vec(int64_t fmt, const float *x, int64_t K) {
-    Vec v = {x, K, NULL, NULL, NULL, NULL};
+    Vec v = {x, K, NULL, NULL, NULL};
 #ifdef WIDE_VNNI
     if (fmt == FMT_I8 && K % QBLOCK == 0 && K <= g_vec_cap) {
+        const __m512 lim = _mm512_set1_ps(127.f);
         for (int64_t b = 0; b < K / QBLOCK; b++) {
-            const float *xb = x + b * QBLOCK;
-            float amax = 0.f;
-            for (int64_t i = 0; i < QBLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            float sc = amax / 127.0f, inv = amax > 0.f ? 127.0f / amax : 0.f;
-            uint64_t neg = 0;
-            for (int64_t i = 0; i < QBLOCK; i++) {
-                float q = nearbyintf(xb[i] * inv);
-                q = fminf(fmaxf(q, -127.f), 127.f);
-                g_qa[b * QBLOCK + i] = (uint8_t)fabsf(q);
-                if (q < 0.f) neg |= 1ull << i;
-            }
-            g_qneg[b] = neg;
-            g_qs[b] = sc;
+            const __m512 x0 = _mm512_loadu_ps(x + b * QBLOCK), x1 = _mm512_loadu_ps(x + b * QBLOCK + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+            const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.0f / amax : 0.f);
+            /* round to nearest even (the default rounding mode), then |q| <= 127 */
+            const __m512 nlim = _mm512_set1_ps(-127.f);
+            __m512 q0 = _mm512_roundscale_ps(_mm512_mul_ps(x0, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512 q1 = _mm512_roundscale_ps(_mm512_mul_ps(x1, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q0 = _mm512_max_ps(_mm512_min_ps(q0, lim), nlim);
+            q1 = _mm512_max_ps(_mm512_min_ps(q1, lim), nlim);
+            _mm_storeu_si128((__m128i *)(g_qa + b * QBLOCK), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q0)));
+            _mm_storeu_si128((__m128i *)(g_qa + b * QBLOCK + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q1)));
+            g_qs[b] = amax / 127.0f;
         }
-        v.qa = g_qa; v.qneg = g_qneg; v.qs = g_qs;
+        v.qa = g_qa; v.qs = g_qs;
     }
 #endif
 #ifdef WIDE_BF16DP
@@ -239,54 +265,82 @@ static Vec prepare_vec(int64_t fmt, const float *x, int64_t K) {
     return v;
 }
 
-/* The slice [k0, k0 + K) of a prepared vector (k0 a multiple of QBLOCK where qa is used). */
+/* The slice [k0, k0 + K) of a prepared vector (block-aligned where qa is used). */
 static Vec vec_slice(const Vec *v, int64_t k0, int64_t K) {
-    Vec s = {v->x + k0, K, NULL, NULL, NULL, NULL};
+    Vec s = {v->x + k0, K, NULL, NULL, NULL};
     if (v->qa && k0 % QBLOCK == 0 && K % QBLOCK == 0) {
-        s.qa = v->qa + k0; s.qneg = v->qneg + k0 / QBLOCK; s.qs = v->qs + k0 / QBLOCK;
+        s.qa = v->qa + k0; s.qs = v->qs + k0 / QBLOCK;
     }
     if (v->xb && K % 32 == 0) s.xb = v->xb + k0;
     return s;
 }
 
 #ifdef WIDE_VNNI
-/* y[r] = sum_b qs[b] * sum_{i in block b} W[r, i] * q[i] for n int8 rows: |q| times the weights
- * with the sign of q moved onto them (vpdpbusd multiplies unsigned by signed bytes). */
-static void dot_i8_vnni(const int8_t *W, int64_t K, int64_t n, const Vec *v, float *y) {
-    const int64_t nb = K / QBLOCK;
-    const __m512i z = _mm512_setzero_si512();
+/* Byte permutation that puts a natural-order 64-byte chunk of activations in I8_LAYOUT. */
+static inline __m512i i8_layout_perm(void) {
+    int8_t idx[64];
+    for (int j = 0; j < 64; j++) idx[j] = (int8_t)((j % 8 < 4 ? 0 : 32) + 4 * (j / 8) + j % 4);
+    return _mm512_loadu_si512(idx);
+}
+
+static inline __m512 bcast_pair(const float *p) { /* [p0 p1 p0 p1 ...] */
+    double d;
+    memcpy(&d, p, 8);
+    return _mm512_castpd_ps(_mm512_set1_pd(d));
+}
+
+/* y[r] = sum_b S[r, b] qs[b] sum_{k in b} W[r, k] q[k] for n int8 rows in I8_LAYOUT: |q| times the
+ * weights with the sign of q moved onto them (vpdpbusd multiplies unsigned by signed bytes). */
+static void dot_i8_vnni(const int8_t *W, const float *S, int64_t K, int64_t n, const Vec *v, float *y) {
+    const int64_t nb = K / QBLOCK, nc = nb / 2;
+    const __m512i z = _mm512_setzero_si512(), perm = i8_layout_perm();
     int64_t r = 0;
+#define I8_ROW(acc, w, s)                                                                            \
+    do {                                                                                             \
+        __m512i x_ = _mm512_loadu_si512(w);                                                          \
+        x_ = _mm512_dpbusd_epi32(z, qa, _mm512_mask_sub_epi8(x_, ng, z, x_));                        \
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x_), _mm512_mul_ps(bcast_pair(s), sx), acc);         \
+    } while (0)
     for (; r + 4 <= n; r += 4) {
-        const int8_t *w0 = W + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+        const int8_t *w0 = W + r * K;
+        const float *s0 = S + r * nb;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t b = 0; b < nb; b++) {
-            const __m512i qa = _mm512_loadu_si512(v->qa + b * QBLOCK);
-            const __mmask64 ng = v->qneg[b];
-            const __m512 sb = _mm512_set1_ps(v->qs[b]);
-            PREFETCH_ROWS(w0 + b * QBLOCK, K);
-            __m512i x0 = _mm512_loadu_si512(w0 + b * QBLOCK), x1 = _mm512_loadu_si512(w1 + b * QBLOCK);
-            __m512i x2 = _mm512_loadu_si512(w2 + b * QBLOCK), x3 = _mm512_loadu_si512(w3 + b * QBLOCK);
-            x0 = _mm512_dpbusd_epi32(z, qa, _mm512_mask_sub_epi8(x0, ng, z, x0));
-            x1 = _mm512_dpbusd_epi32(z, qa, _mm512_mask_sub_epi8(x1, ng, z, x1));
-            x2 = _mm512_dpbusd_epi32(z, qa, _mm512_mask_sub_epi8(x2, ng, z, x2));
-            x3 = _mm512_dpbusd_epi32(z, qa, _mm512_mask_sub_epi8(x3, ng, z, x3));
-            a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x0), sb, a0);
-            a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x1), sb, a1);
-            a2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x2), sb, a2);
-            a3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x3), sb, a3);
+        for (int64_t c = 0; c < nc; c++) {
+            const __m512i q = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(v->qa + 64 * c));
+            const __m512i qa = _mm512_abs_epi8(q);
+            const __mmask64 ng = _mm512_movepi8_mask(q);
+            const __m512 sx = bcast_pair(v->qs + 2 * c);
+            PREFETCH_ROWS(w0 + 64 * c, K);
+            I8_ROW(a0, w0 + 64 * c, s0 + 2 * c);
+            I8_ROW(a1, w0 + K + 64 * c, s0 + nb + 2 * c);
+            I8_ROW(a2, w0 + 2 * K + 64 * c, s0 + 2 * nb + 2 * c);
+            I8_ROW(a3, w0 + 3 * K + 64 * c, s0 + 3 * nb + 2 * c);
         }
         y[r] = _mm512_reduce_add_ps(a0); y[r + 1] = _mm512_reduce_add_ps(a1);
         y[r + 2] = _mm512_reduce_add_ps(a2); y[r + 3] = _mm512_reduce_add_ps(a3);
     }
     for (; r < n; r++) {
-        const int8_t *w0 = W + r * K;
         __m512 a0 = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            __m512i x0 = _mm512_loadu_si512(w0 + b * QBLOCK);
-            x0 = _mm512_dpbusd_epi32(z, _mm512_loadu_si512(v->qa + b * QBLOCK), _mm512_mask_sub_epi8(x0, v->qneg[b], z, x0));
-            a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x0), _mm512_set1_ps(v->qs[b]), a0);
+        for (int64_t c = 0; c < nc; c++) {
+            const __m512i q = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(v->qa + 64 * c));
+            const __m512i qa = _mm512_abs_epi8(q);
+            const __mmask64 ng = _mm512_movepi8_mask(q);
+            const __m512 sx = bcast_pair(v->qs + 2 * c);
+            I8_ROW(a0, W + r * K + 64 * c, S + r * nb + 2 * c);
         }
         y[r] = _mm512_reduce_add_ps(a0);
+    }
+#undef I8_ROW
+    if (nb % 2) { /* the trailing block, natural order, lanes 0-7 */
+        const __mmask64 half = 0xFFFFFFFFull;
+        const __m512i q = _mm512_maskz_loadu_epi8(half, v->qa + 64 * nc);
+        const __m512i qa = _mm512_abs_epi8(q);
+        const __mmask64 ng = _mm512_movepi8_mask(q);
+        for (int64_t rr = 0; rr < n; rr++) {
+            __m512i x = _mm512_maskz_loadu_epi8(half, W + rr * K + 64 * nc);
+            x = _mm512_dpbusd_epi32(z, qa, _mm512_mask_sub_epi8(x, ng, z, x));
+            y[rr] += _mm512_reduce_add_ps(_mm512_cvtepi32_ps(x)) * S[rr * nb + nb - 1] * v->qs[nb - 1];
+        }
     }
 }
 #endif
@@ -319,8 +373,8 @@ static void dot_bf16_dp(const uint16_t *W, int64_t K, int64_t n, const uint16_t 
 }
 #endif
 
-/* y[i] = W[r0 + i] . v for rows [r0, r1) of an axis-n projection (int8: times the row's scale). */
-static void rows_dot(int64_t fmt, const void *W, const uint16_t *S, int64_t K, int64_t r0, int64_t r1,
+/* y[i] = W[r0 + i] . v for rows [r0, r1) of an axis-n projection (int8: S [N, K / 32] scales). */
+static void rows_dot(int64_t fmt, const void *W, const float *S, int64_t K, int64_t r0, int64_t r1,
                      const Vec *v, float *y) {
     int64_t n = r1 - r0;
     if (n <= 0) return;
@@ -331,12 +385,13 @@ static void rows_dot(int64_t fmt, const void *W, const uint16_t *S, int64_t K, i
 #endif
         dot_bf16((const uint16_t *)W + r0 * K, K, n, v->x, y);
     } else {
+        const int8_t *Wq = (const int8_t *)W + r0 * K;
+        const float *Sr = S + r0 * (K / QBLOCK);
 #ifdef WIDE_VNNI
-        if (v->qa) dot_i8_vnni((const int8_t *)W + r0 * K, K, n, v, y);
+        if (v->qa) dot_i8_vnni(Wq, Sr, K, n, v, y);
         else
 #endif
-        dot_i8((const int8_t *)W + r0 * K, K, n, v->x, y);
-        for (int64_t i = 0; i < n; i++) y[i] *= bf16_to_f32(S[r0 + i]);
+        dot_i8_blocks(Wq, Sr, K, n, v->x, y);
     }
 }
 
@@ -481,7 +536,7 @@ typedef struct {
     int64_t kind; /* 0 rows_dot, 1 float axis-k (w_t), 2 axis-k in per-group blocks (int8, bf16) */
     int64_t fmt, K, r0, r1, N, g, nruns;
     const void *W;
-    const uint16_t *S;
+    const float *S;
     const Vec *x;        /* kind 0: the input; kind 2: the activations of the whole reduction axis */
     float *y;
     const int64_t *runs; /* kind 1, 2: [nruns][2] group runs [j0, j1) */
@@ -521,7 +576,7 @@ static void proj_job(void *arg, int64_t part, int64_t parts) {
             for (int64_t jj = j0; jj < j1; jj++) {
                 const size_t esz = j->fmt == FMT_I8 ? 1 : 2;
                 const void *q = (const char *)j->W + (size_t)(jj * j->N * j->g) * esz;
-                const uint16_t *s = j->S ? j->S + jj * j->N : NULL;
+                const float *s = j->S ? j->S + jj * j->N * (j->g / QBLOCK) : NULL; /* [N, g / 32] */
                 Vec vj = vec_slice(j->x, jj * j->g, j->g);
                 for (int64_t r0 = lo; r0 < hi; r0 += 256) {
                     int64_t r1 = r0 + 256 < hi ? r0 + 256 : hi;
@@ -533,7 +588,7 @@ static void proj_job(void *arg, int64_t part, int64_t parts) {
     }
 }
 
-static void run_rows(int64_t fmt, const void *W, const uint16_t *S, int64_t K, int64_t r0, int64_t r1,
+static void run_rows(int64_t fmt, const void *W, const float *S, int64_t K, int64_t r0, int64_t r1,
                      const Vec *x, float *y) {
     if (r1 <= r0) return;
     ProjJob j = {0, fmt, K, r0, r1, 0, 0, 0, W, S, x, y, NULL, NULL};
@@ -543,7 +598,7 @@ static void run_rows(int64_t fmt, const void *W, const uint16_t *S, int64_t K, i
 
 /* y[0:N] += a[groups] @ W[groups] for the runs of active groups (axis-k projection); blocked:
  * W is [GROUPS, N, g] (always for int8; bf16 when the caller laid it out so), else w_t [K, N]. */
-static void run_k(int64_t fmt, int64_t blocked, const void *W, const uint16_t *S, int64_t N, int64_t g,
+static void run_k(int64_t fmt, int64_t blocked, const void *W, const float *S, int64_t N, int64_t g,
                   const int64_t *runs, int64_t nruns, const Vec *a, float *y) {
     if (nruns == 0) return;
     ProjJob j = {blocked || fmt == FMT_I8 ? 2 : 1, fmt, 0, 0, 0, N, g, nruns, W, S, a, y, runs, a->x};
@@ -697,6 +752,11 @@ static void attn_job(void *arg, int64_t part, int64_t parts) {
     }
 }
 
+/* Weight bytes (int8: with their scales) of `rows` rows of width K: what a projection reads. */
+static inline int64_t wbytes(int64_t fmt, int64_t rows, int64_t K) {
+    return fmt == FMT_I8 ? rows * K + rows * (K / QBLOCK) * 4 : rows * K * (fmt == FMT_F32 ? 4 : 2);
+}
+
 /* Scratch floats one step needs (see wide_decode_step). */
 int64_t wide_decode_scratch_floats(const WModel *m) {
     int64_t mx = 0;
@@ -730,6 +790,7 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
         run_rows(fmt, L->qkv, L->qkv_s, D, runs[2 * r] * cols, runs[2 * r + 1] * cols, &vh, qkv + runs[2 * r] * cols);
     run_rows(fmt, L->qkv, L->qkv_s, D, Nq, Nq + 2 * Nkv, &vh, qkv + Nq); /* every token's K/V */
     cnt[0] += (na * cols + 2 * Nkv) * D;
+    cnt[3] += wbytes(fmt, na * cols + 2 * Nkv, D);
     for (int64_t j = 0; j < L->GA; j++)
         for (int64_t hh = j * L->ag; hh < (j + 1) * L->ag; hh++) hx[hh] = exa[j];
     for (int64_t i = 0; i < Nq + 2 * Nkv; i++) {
@@ -775,6 +836,7 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
     Vec vatt = prepare_vec(fmt, att, Nq);
     run_k(fmt, L->blocked, L->o, L->o_s, D, cols, runs, nr, &vatt, y);
     cnt[0] += na * cols * D;
+    cnt[3] += na * wbytes(fmt, D, cols);
     for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
     add_standins(L->sa, exa, L->GA, D, bf, x, tmpD);
 
@@ -787,6 +849,7 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
     for (int64_t r = 0; r < nr; r++)
         run_rows(fmt, L->gu, L->gu_s, D, runs[2 * r] * 2 * fg, runs[2 * r + 1] * 2 * fg, &vh, hid + runs[2 * r] * 2 * fg);
     cnt[0] += nf * 2 * fg * D;
+    cnt[3] += wbytes(fmt, nf * 2 * fg, D);
     /* SwiGLU into act [GF fg] (the reduction axis of down), active groups only */
     float *act = hid + L->GF * 2 * fg;
     for (int64_t r = 0; r < nr; r++)
@@ -803,6 +866,7 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
     Vec vact = prepare_vec(fmt, act, L->GF * fg);
     run_k(fmt, L->blocked, L->down, L->down_s, D, fg, runs, nr, &vact, y);
     cnt[0] += nf * fg * D;
+    cnt[3] += nf * wbytes(fmt, D, fg);
     for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
     add_standins(L->sf, exf, L->GF, D, bf, x, tmpD);
 }
@@ -812,8 +876,8 @@ int64_t wide_decode_abi(void) { return WIDE_DECODE_ABI; }
 void wide_decode_set_threads(int64_t n) { pool_resize(n); }
 
 /* Run token `token` at RoPE position `pos` into cache slot `slot` (slots 0..slot-1 hold the
- * context) through every layer; write fp32 logits [V]. cnt[3] += executed weight, attention and
- * router multiply-adds. Returns 0, or -1 for bad arguments (nothing written then). */
+ * context) through every layer; write fp32 logits [V]. cnt[0..3] += executed weight, attention and
+ * router multiply-adds, and the weight bytes read (int8 scales included). Returns 0, or -1 for bad arguments (nothing written then). */
 int64_t wide_decode_step(const WModel *m, int64_t token, int64_t pos, int64_t slot, float *logits, int64_t *cnt,
                          float *scratch) {
     if (token < 0 || token >= m->V || slot < 0 || slot >= m->max_len) return -1;
@@ -836,5 +900,6 @@ int64_t wide_decode_step(const WModel *m, int64_t token, int64_t pos, int64_t sl
     Vec vh = prepare_vec(m->head_fmt, h, D);
     run_rows(m->head_fmt, m->head, m->head_s, D, 0, m->V, &vh, logits);
     cnt[0] += m->V * D;
+    cnt[3] += wbytes(m->head_fmt, m->V, D);
     return 0;
 }

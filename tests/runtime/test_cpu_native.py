@@ -185,3 +185,34 @@ def test_decode_mode_perplexity_equals_the_prefill_one_in_fp32(routed_model):
     assert dec["tokens_scored"] == pre["tokens_scored"] > 60
     assert abs(dec["perplexity"] / pre["perplexity"] - 1) < 1e-4
     assert dec["sparsity"] == pre["sparsity"]
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+def test_native_step_reads_only_the_executed_groups_weights(fmt, routed_model):
+    """The native step's weight-byte count equals the bytes of the executed groups' blocks (int8:
+    with their scales), the K/V rows and the LM head; a skipped group adds nothing."""
+    from test_weight_formats import _group_spans
+
+    rt = Runtime.from_model(routed_model("llama"), backend="cpu", weight_format=fmt)
+    keep = {(0, "attention"): [False, True], (0, "ffn"): [True, False, False, True],
+            (1, "attention"): [False, False], (1, "ffn"): [True] * 4}  # fmt: skip
+    rt.forced = {k: torch.tensor(v) for k, v in keep.items()}
+    cache = rt.new_cache(1, 8)
+    rt.step(_prompt(3), None, cache)
+    rt.counter.reset()
+    rt.step(torch.tensor([[9]]), None, cache)
+    assert isinstance(rt._native, cpu_native.NativeDecoder)
+    q = fmt == "int8"
+
+    def size(spans):
+        return sum(e - s for s, e in spans)
+
+    want = 0
+    for i, p in enumerate(rt.layers):
+        for kind, proj, cols, mod in (("n", p.qkv, p.attn_cols, "attention"), ("k", p.o, p.attn_cols, "attention"),
+                                      ("n", p.gu, 2 * p.ffn_group_size, "ffn"), ("k", p.down, p.ffn_group_size, "ffn")):
+            want += sum(size(_group_spans(proj, kind, j, cols, q)) for j, on in enumerate(keep[(i, mod)]) if on)
+        n_kv = p.qkv.N - p.q_rows
+        want += n_kv * rt.hidden_size * (1 if q else p.qkv.w.element_size()) + (n_kv * rt.hidden_size // 32 * 4 if q else 0)
+    want += rt.head.nbytes()
+    assert rt.counter.weight_bytes == want

@@ -33,7 +33,7 @@ def _prompts(lengths, seed=7):
 # quantizer
 
 
-@pytest.mark.parametrize("group_k", [None, 16, 32])
+@pytest.mark.parametrize("group_k", [None, 16, 32])  # 32: the scheme's block
 def test_int8_dequantize_error_is_at_most_half_a_step_per_group(group_k):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 64, generator=g) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different scales
@@ -107,16 +107,17 @@ def test_int8_is_close_to_fp32(routed_model, random_masks):
 # skipped groups read no bytes
 
 
-def _group_spans(p, kind: str, j: int, cols: int) -> list[tuple[int, int]]:
-    """Byte ranges ``[start, end)`` of group ``j``'s weights (and scales) in a Proj."""
+def _group_spans(p, kind: str, j: int, cols: int, quantized: bool = False) -> list[tuple[int, int]]:
+    """Byte ranges ``[start, end)`` of group ``j``'s weights in a Proj: the float tensors the
+    PyTorch path reads, or (``quantized``) the int8 blocks and scales the native step reads."""
     def rng(t):
         return (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
 
     if kind == "n":  # row block j*cols .. (j+1)*cols
-        if p.int8:
+        if quantized:
             return [rng(p.q[j * cols : (j + 1) * cols]), rng(p.s[j * cols : (j + 1) * cols])]
         return [rng(p.w[j * cols : (j + 1) * cols])]
-    if p.int8:
+    if quantized:
         return [rng(p.q[j]), rng(p.s[j])]
     return [rng(p.w_t[j * cols : (j + 1) * cols])]
 
@@ -133,7 +134,8 @@ def test_skipped_groups_read_no_weight_bytes(fmt, routed_model):
     rt.forced = {k: torch.tensor(v) for k, v in keep.items()}
     cache = rt.new_cache(1, 8)
     rt.step(torch.tensor([[5, 6, 7]]), None, cache)
-    rt.counter.trace, rt.counter.macs = [], 0
+    rt.counter.reset()
+    rt.counter.trace = []
     rt.step(torch.tensor([[9]]), None, cache)  # one decode step, batch 1
     reads = rt.counter.trace
     rt.counter.trace = None
@@ -161,13 +163,13 @@ def test_skipped_groups_read_no_weight_bytes(fmt, routed_model):
                     expected_bytes += size
                     expected_macs += rows_per_group * D if kind == "n" else cols * proj.N
         # K/V rows are always read (every token's K/V is cached, B06)
-        kv = p.qkv.q[p.q_rows :] if p.qkv.int8 else p.qkv.w[p.q_rows :]
-        expected_bytes += kv.numel() * kv.element_size() + (2 * m.num_kv_heads * m.head_dim * 2 if p.qkv.int8 else 0)
+        kv = p.qkv.w[p.q_rows :]
+        expected_bytes += kv.numel() * kv.element_size()
         expected_macs += kv.shape[0] * D
     head = rt.head
-    expected_bytes += head.nbytes()
+    expected_bytes += head.w.numel() * head.w.element_size()
     expected_macs += head.N * D
-    assert sum(n for _, n in reads) == expected_bytes
+    assert sum(n for _, n in reads) == expected_bytes == rt.counter.weight_bytes
     assert rt.counter.macs == expected_macs
 
 
@@ -186,8 +188,8 @@ def test_executed_macs_of_a_dense_step_match_the_weights(routed_model):
 
 
 def test_int8_refuses_widths_the_kernel_cannot_take(routed_model):
-    model = routed_model("llama", fgs=8)  # FFN groups of 8 channels: the int8 kernel needs 16
-    with pytest.raises(ConfigError, match="multiples of 16.*down_proj.*has 8"):
+    model = routed_model("llama", fgs=16)  # FFN groups of 16 channels: int8 blocks are 32 wide
+    with pytest.raises(ConfigError, match="multiples of 32.*down_proj.*has 16"):
         Runtime.from_model(model, backend="cpu", weight_format="int8")
     with pytest.raises(ConfigError, match="unknown weight format 'int4'"):
         Runtime.from_model(model, backend="cpu", weight_format="int4")
@@ -239,8 +241,8 @@ def test_int8_export_round_trip(routed_model, write_export, tmp_path):
     assert json.loads((path / "wide_config.json").read_text())["weight_format"]["format"] == "int8"
     st = load_file(str(path / "model.safetensors"))
     assert st["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
-    assert st["model.layers.0.mlp.down_proj.weight_scale"].shape == (64, 128 // 32)  # per row and FFN group
-    assert st["model.layers.0.self_attn.q_proj.weight_scale"].shape == (64, 1)
+    assert st["model.layers.0.mlp.down_proj.weight_scale"].shape == (64, 128 // 32)  # per row and block of 32
+    assert st["model.layers.0.self_attn.q_proj.weight_scale"].shape == (64, 64 // 32)
     assert (path / "model.safetensors").stat().st_size < 0.4 * (tmp_path / "fp32" / "model.safetensors").stat().st_size
     rt = Runtime.from_export(path)
     assert rt.weight_format == "int8" and rt.dtype == torch.bfloat16

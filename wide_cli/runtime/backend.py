@@ -157,6 +157,7 @@ class Counter:
         attn_macs: multiply-adds of attention scores and of the weighted sum of V, per head the
             kernel computed (a dense pass that masks heads afterwards counts every head).
         router_macs: multiply-adds of the routers (the engine counts them).
+        weight_bytes: bytes of weights (int8: and scales) the GEMMs read.
         trace: None, or a list that receives ``(first_byte_address, nbytes)`` of every weight and
             scale block a GEMM reads (tests check that skipped groups are never read).
     """
@@ -165,10 +166,11 @@ class Counter:
         self.macs = 0
         self.attn_macs = 0
         self.router_macs = 0
+        self.weight_bytes = 0
         self.trace: list | None = None
 
     def reset(self) -> None:
-        self.macs = self.attn_macs = self.router_macs = 0
+        self.macs = self.attn_macs = self.router_macs = self.weight_bytes = 0
 
     @property
     def total(self) -> int:

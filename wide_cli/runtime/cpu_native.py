@@ -34,8 +34,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "cpu_decode.c"
-ABI = 2
-FMT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+ABI = 4
+FMT_CODE = {torch.float32: 0, torch.bfloat16: 1}  # int8 is 2
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
 
@@ -197,18 +197,18 @@ class NativeDecoder:
             w.keep_a, w.keep_f = self._u8(m.keeps["attention"]), self._u8(m.keeps["ffn"])
         mdl = self.model = _WModel()
         mdl.L, mdl.D, mdl.V = L, rt.hidden_size, rt.vocab_size
-        mdl.wfmt = FMT_CODE[rt.layers[0].qkv.q.dtype if rt.layers[0].qkv.int8 else rt.layers[0].qkv.w.dtype]
+        mdl.wfmt = 2 if rt.layers[0].qkv.quantized else FMT_CODE[rt.layers[0].qkv.w.dtype]
         mdl.act_bf16 = int(rt.dtype == torch.bfloat16)
         mdl.eps, mdl.rope_scale = float(rt.eps), float(rt.rope_scale)
         mdl.inv_freq, mdl.final_norm = f32(rt.inv_freq), f32(rt.final_norm)
         mdl.embed = _ptr(rt.embed)
         mdl.head, mdl.head_s = self._proj(rt.head)
-        mdl.head_fmt = 2 if rt.head.int8 else FMT_CODE[rt.head.w.dtype]
+        mdl.head_fmt = 2 if rt.head.quantized else FMT_CODE[rt.head.w.dtype]
         mdl.layers = ctypes.cast(self.layers, _P)
         mdl.stat_skipped, mdl.stat_decisions = _ptr(rt.stats.skipped), _ptr(rt.stats.decisions)
         self._cache_id = None
         self._scratch = None
-        self.counts = torch.zeros(3, dtype=torch.int64)
+        self.counts = torch.zeros(4, dtype=torch.int64)
 
     @staticmethod
     def ineligible(rt) -> str | None:
@@ -253,7 +253,7 @@ class NativeDecoder:
 
     @staticmethod
     def _proj(p) -> tuple[int, int | None]:
-        if p.int8:
+        if p.quantized:
             return p.q.data_ptr(), p.s.data_ptr()
         w = p.w if p.axis == "n" else p.w_t
         return w.data_ptr(), None
@@ -320,8 +320,9 @@ class NativeDecoder:
                     w.keep_a, w.keep_f = ka, kf
         if rc != 0:
             raise ValueError(f"native decode step refused token {token} at slot {slot}")
-        macs, attn, router = c.tolist()
+        macs, attn, router, nbytes = c.tolist()
         ctr = self.rt.counter
+        ctr.weight_bytes += nbytes
         ctr.macs += macs
         ctr.attn_macs += attn
         ctr.router_macs += router

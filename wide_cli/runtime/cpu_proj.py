@@ -13,6 +13,18 @@ from wide_cli.runtime.backend import Counter
 from wide_cli.runtime.cpu_plan import SMALL_M, mask_state, skip_plan
 
 
+def i8_layout(q: torch.Tensor) -> torch.Tensor:
+    """int8 rows ``[..., K]`` (K a multiple of 32) in the native step's byte order (``I8_LAYOUT``
+    in ``kernels/cpu_decode.c``): per chunk of 64 bytes, 4-byte groups alternating between its two
+    blocks of 32, so that the VNNI dot product's int32 lanes alternate between the blocks; a
+    trailing half chunk stays in natural order. Returns a contiguous tensor."""
+    K = q.shape[-1]
+    k64 = K // 64 * 64
+    lead = q.shape[:-1]
+    body = q[..., :k64].reshape(*lead, k64 // 64, 2, 8, 4).transpose(-3, -2).reshape(*lead, k64)
+    return torch.cat([body, q[..., k64:]], -1).contiguous()
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """``(first byte address, nbytes)`` of a contiguous block."""
     return t.data_ptr(), t.numel() * t.element_size()
@@ -22,11 +34,13 @@ class Proj:
     """One projection ``y = x @ W^T`` (``W [N, K]``, HF layout) stored so that a block of routed
     groups is one contiguous read, in a weight format (``runtime/quant.py``).
 
-    axis ``n`` (QKV, gate/up): blocks are row ranges ``[r0, r1)``. float: ``w [N, K]``; int8:
-    ``q [N, K]`` and one bf16 scale per row ``s [N]``.
+    axis ``n`` (QKV, gate/up): blocks are row ranges ``[r0, r1)``. float: ``w [N, K]``.
     axis ``k`` (O, down): blocks are reduction groups ``[j0, j1)`` of ``g`` channels. float:
-    ``w_t [K, N]`` (a group's channels are contiguous rows); int8: ``q [G, N, g]`` and
-    ``s [G, N]``, one block and one scale per (group, row): a skipped group reads neither.
+    ``w_t [K, N]`` (a group's channels are contiguous rows).
+    int8 (``quantized``): the int8 blocks the native decode step reads, axis ``n``: ``q [N, K]``
+    (bytes in ``i8_layout``) and fp32 scales ``s [N, K / 32]``; axis ``k``: ``q [G, N, g]``,
+    ``s [G, N, g / 32]`` (a skipped group reads neither), plus, for the PyTorch path here, ``w`` / ``w_t`` in bf16 holding
+    the same dequantized values (``runtime/quant.py`` says why).
 
     Every call adds its multiply-adds to ``counter.macs`` (and its weight spans to
     ``counter.trace`` when tracing). Views of blocks are cached (at most G (G + 1) / 2 per
@@ -35,51 +49,50 @@ class Proj:
 
     def __init__(self, w: torch.Tensor, axis: str, fmt: str, dtype: torch.dtype, device, counter: Counter,
                  g: int | None = None, what: str = "projection"):
-        from wide_cli.quant import quantize_int8
+        from wide_cli.quant import INT8_BLOCK, dequantize_int8, quantize_int8
         from wide_cli.runtime.quant import check_int8_width
 
         self.axis, self.fmt, self.counter = axis, fmt, counter
-        self.int8 = fmt == "int8"
+        self.quantized = fmt == "int8"
         self.N, self.K = w.shape
         self.g = g
         self.dtype = dtype
         self._v: dict = {}
-        if self.int8:
+        if self.quantized:
             check_int8_width(self.K if axis == "n" else g, what)
+            q, s = quantize_int8(w, INT8_BLOCK)  # [N, K], [N, K / 32]
+            w = dequantize_int8(q, s)  # the values the PyTorch path multiplies (bf16 copy below)
             if axis == "n":
-                q, s = quantize_int8(w)
-                self.q, self.s = q.to(device).contiguous(), s[:, 0].to(device, torch.bfloat16).contiguous()
+                self.q, self.s = i8_layout(q).to(device), s.to(device).contiguous()
             else:
                 G = self.K // g
-                q, s = quantize_int8(w, g)
-                self.q = q.view(self.N, G, g).permute(1, 0, 2).to(device).contiguous()  # [G, N, g]
-                self.s = s.t().to(device, torch.bfloat16).contiguous()  # [G, N]
-        elif axis == "n":
+                self.q = i8_layout(q.view(self.N, G, g).permute(1, 0, 2)).to(device)  # [G, N, g]
+                self.s = s.view(self.N, G, g // INT8_BLOCK).permute(1, 0, 2).to(device).contiguous()
+        if axis == "n":
             self.w = w.to(device=device, dtype=dtype).contiguous()
         else:
             self.w_t = w.to(device=device, dtype=dtype).t().contiguous()
 
     @property
     def acc_dtype(self) -> torch.dtype:
-        """Accumulator of ``acc``: fp32 for int8 (its blocks are summed one group at a time)."""
-        return torch.float32 if self.int8 else self.dtype
+        """Accumulator of ``acc`` (the compute dtype)."""
+        return self.dtype
 
     def nbytes(self) -> int:
-        ts = (self.q, self.s) if self.int8 else (self.w if self.axis == "n" else self.w_t,)
+        """Bytes of the weights a decode step reads in this format (int8 blocks and scales for
+        int8, not the PyTorch path's bf16 copy)."""
+        ts = (self.q, self.s) if self.quantized else (self.w if self.axis == "n" else self.w_t,)
         return sum(t.numel() * t.element_size() for t in ts)
 
     def rows(self, x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
         """``x [M, K] -> [M, r1 - r0]``: output rows ``[r0, r1)`` (axis ``n``)."""
         v = self._v.get((r0, r1))
         if v is None:
-            v = self._v[(r0, r1)] = (
-                (self.q[r0:r1], self.s[r0:r1]) if self.int8 else (self.w[r0:r1],)
-            )
+            v = self._v[(r0, r1)] = (self.w[r0:r1],)
         self.counter.macs += x.shape[0] * (r1 - r0) * self.K
+        self.counter.weight_bytes += v[0].numel() * v[0].element_size()
         if self.counter.trace is not None:
             self.counter.trace.extend(_span(t) for t in v)
-        if self.int8:
-            return torch.ops.aten._weight_int8pack_mm(x, v[0], v[1])
         return F.linear(x, v[0])
 
     def acc(self, out: torch.Tensor, a: torch.Tensor, j0: int, j1: int) -> None:
@@ -89,21 +102,13 @@ class Proj:
         M = a.shape[0]
         self.counter.macs += M * (j1 - j0) * g * self.N
         tr = self.counter.trace
-        if not self.int8:
-            w = self._v.get((j0, j1))
-            if w is None:
-                w = self._v[(j0, j1)] = self.w_t[j0 * g : j1 * g]
-            if tr is not None:
-                tr.append(_span(w))
-            out.addmm_(a, w)
-            return
-        for j in range(j0, j1):
-            aj = a[:, (j - j0) * g : (j - j0 + 1) * g]
-            if M > 1:
-                aj = aj.contiguous()
-            if tr is not None:
-                tr.extend((_span(self.q[j]), _span(self.s[j])))
-            out.add_(torch.ops.aten._weight_int8pack_mm(aj, self.q[j], self.s[j]))
+        w = self._v.get((j0, j1))
+        if w is None:
+            w = self._v[(j0, j1)] = self.w_t[j0 * g : j1 * g]
+        self.counter.weight_bytes += w.numel() * w.element_size()
+        if tr is not None:
+            tr.append(_span(w))
+        out.addmm_(a, w)
 
 
 def gemm_mn_proj(a: torch.Tensor, p: Proj, mask, group_size: int, bias=None, plan=None) -> torch.Tensor:

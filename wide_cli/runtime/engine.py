@@ -149,9 +149,9 @@ class Runtime:
         self.hidden_size = weights.embed.shape[1]
         embed = weights.embed
         if fmt == "int8":  # the embedding rows an int8 export stores (per-row int8), for lookups too
-            from wide_cli.quant import dequantize_int8, quantize_int8
+            from wide_cli.runtime.quant import int8_values
 
-            embed = dequantize_int8(*quantize_int8(embed))
+            embed = int8_values(embed)
         self.embed = embed.to(dev, self.dtype)
         self.counter = getattr(self.backend, "counter", None) or Counter()
         # The LM head in the backend's weight format when it has one (int8 on cpu), else dense.

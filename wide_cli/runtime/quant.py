@@ -1,9 +1,10 @@
-"""Weight formats of the runtime: ``fp32``, ``bf16`` and ``int8`` weight-only.
+"""Weight formats of the runtime: ``fp32``, ``bf16`` and ``int8``.
 
-int8 is the scheme of ``wide_cli/quant.py`` (symmetric, per output row and per group of reduction
-channels, bf16-representable scales) in the layout of ``torch``'s CPU int8 weight-only GEMM
-(``aten._weight_int8pack_mm``: int8 ``[N, K]``, one scale per row, activations in bf16) applied
-block by block.
+int8 is the scheme of ``wide_cli/quant.py`` (symmetric, blocks of 32 reduction channels, one
+bf16-representable scale per row and block). The native decode step (``kernels/cpu_decode.c``)
+reads the int8 blocks and their scales; the PyTorch path (prefill, batches) multiplies a bf16 copy
+of the same dequantized values (torch's int8 CPU GEMM takes one scale per row only, and at
+prefill sizes its bf16 GEMM was 2.6x faster anyway).
 """
 
 from __future__ import annotations
@@ -11,15 +12,14 @@ from __future__ import annotations
 import torch
 
 from wide_cli.errors import ConfigError
-from wide_cli.quant import dequantize_int8, quantize_int8
+from wide_cli.quant import INT8_BLOCK, dequantize_int8, quantize_int8
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8")
-# Compute (activation) dtype of each format: the int8 kernel takes bf16 activations (its fp32
-# path is a slow fallback, ~10x slower than bf16 on this CPU).
+# Compute (activation) dtype of each format: int8 runs bf16 activations on the PyTorch path.
 COMPUTE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16}
-# The int8 kernel reads K in blocks of 16 (it crashed on K = 8, 24, 40 in torch 2.13); every
-# reduction width it sees must be a multiple of this.
-INT8_K_MULTIPLE = 16
+# Every reduction width (hidden size, attention group channels, FFN group size) must hold whole
+# int8 blocks, so that a routed group owns its scales.
+INT8_K_MULTIPLE = INT8_BLOCK
 
 
 def check_format(fmt: str | None) -> str:
@@ -46,25 +46,20 @@ def check_int8_width(k: int, what: str) -> None:
 
 def fake_quantize(weights):
     """A copy of ``weights`` (``backend.ModelWeights``) whose projections and LM head hold the
-    values the int8 kernels use (``dequantize(quantize(w))`` with the cpu backend's grouping: per
-    row for Q/K/V, gate/up and the LM head, per row and routed group for O and down; the
+    values the int8 kernels use (``dequantize(quantize(w))`` in blocks of ``INT8_BLOCK``; the
     embedding is handled by the engine)."""
     import dataclasses
 
-    def fq(w, gk=None):
-        return dequantize_int8(*quantize_int8(w, gk))
-
     layers = []
     for lw in weights.layers:
-        cols = lw.attn_group_size * lw.head_dim
         layers.append(dataclasses.replace(
-            lw, wq=fq(lw.wq), wk=fq(lw.wk), wv=fq(lw.wv), wo=fq(lw.wo, cols), w_gate=fq(lw.w_gate),
-            w_up=fq(lw.w_up), w_down=fq(lw.w_down, lw.ffn_group_size),
+            lw, wq=int8_values(lw.wq), wk=int8_values(lw.wk), wv=int8_values(lw.wv), wo=int8_values(lw.wo),
+            w_gate=int8_values(lw.w_gate), w_up=int8_values(lw.w_up), w_down=int8_values(lw.w_down),
         ))  # fmt: skip
-    return dataclasses.replace(weights, layers=layers, lm_head=fq(weights.lm_head), tied=False)
+    head = weights.embed if weights.tied else weights.lm_head
+    return dataclasses.replace(weights, layers=layers, lm_head=int8_values(head), tied=False)
 
 
-def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] (bf16) @ (q [N, K] int8 * scale [N])^T -> [M, N]`` in x's dtype (torch's
-    weight-only int8 CPU GEMM). ``q`` must be contiguous and K a multiple of 16."""
-    return torch.ops.aten._weight_int8pack_mm(x, q, scale)
+def int8_values(w: torch.Tensor) -> torch.Tensor:
+    """``w [N, K]`` as the int8 scheme represents it: ``dequantize(quantize(w, INT8_BLOCK))``, fp32."""
+    return dequantize_int8(*quantize_int8(w, INT8_BLOCK))
