@@ -216,3 +216,21 @@ def test_native_step_reads_only_the_executed_groups_weights(fmt, routed_model):
         want += n_kv * rt.hidden_size * (1 if q else p.qkv.w.element_size()) + (n_kv * rt.hidden_size // 32 * 4 if q else 0)
     want += rt.head.nbytes()
     assert rt.counter.weight_bytes == want
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+def test_portable_build_matches_the_reference(fmt, routed_model, random_masks):
+    """The C paths for CPUs without AVX-512 (built without -march=native) against the oracle."""
+    lib = cpu_native.load(cpu_native.build(portable=True))
+    model = routed_model("qwen2")
+    ref = Runtime.from_model(model, backend="reference", weight_format=fmt)
+    nat = Runtime.from_model(model, backend="cpu", weight_format=fmt)
+    ids, steps = _prompt(20), 6
+    ref.forced = nat.forced = random_masks(model, 1, 20 + steps + 1, 0.5, seed=3)
+    want, toks = _decode(ref, ids, None, steps)
+    cache = nat.new_cache(1, 32)
+    nat.step(ids, None, cache)
+    nat._native_for(cache).lib = lib
+    got = torch.cat([nat.step(torch.tensor([[t]]), None, cache) for t in toks])
+    atol = 1e-4 if fmt == "fp32" else REL_ATOL * float(want.abs().max())
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)

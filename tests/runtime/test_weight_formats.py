@@ -147,7 +147,6 @@ def test_skipped_groups_read_no_weight_bytes(fmt, routed_model):
     expected_bytes, expected_macs = 0, 0
     D = rt.hidden_size
     for i, p in enumerate(rt.layers):
-        m = rt.meta[i]
         for kind, proj, cols, mask, rows_per_group in (
             ("n", p.qkv, p.attn_cols, keep[(i, "attention")], p.attn_cols),
             ("k", p.o, p.attn_cols, keep[(i, "attention")], p.attn_cols),

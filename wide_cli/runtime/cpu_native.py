@@ -76,10 +76,13 @@ def _cache_root() -> Path:
 
 
 COMPILE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+# Without -march=native: the portable C paths only (no AVX-512), for tests of those paths.
+PORTABLE_FLAGS = ("-O2", "-shared", "-fPIC", "-std=gnu11")
 
 
-def build(force: bool = False) -> Path:
-    """Compile ``kernels/cpu_decode.c`` (once per source, compiler and CPU) and return the library path.
+def build(force: bool = False, *, portable: bool = False) -> Path:
+    """Compile ``kernels/cpu_decode.c`` (once per source, compiler, flags and CPU) and return the
+    library path. ``portable``: without ``-march=native`` (the fallback C paths).
 
     Raises:
         RuntimeError: no C compiler, or the compile failed (its output in the message).
@@ -94,8 +97,9 @@ def build(force: bool = False) -> Path:
         version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"{cc} --version failed: {e}") from e
+    flags = PORTABLE_FLAGS if portable else COMPILE_FLAGS
     key = hashlib.sha256(
-        b"\0".join(x.encode() for x in (src.read_text(), cc, version, " ".join(COMPILE_FLAGS), _cpu_flags()))
+        b"\0".join(x.encode() for x in (src.read_text(), cc, version, " ".join(flags), _cpu_flags()))
     ).hexdigest()[:16]
     out = _cache_root() / key / "libwide_cpu_decode.so"
     if out.is_file() and not force:
@@ -103,7 +107,7 @@ def build(force: bool = False) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cc, *COMPILE_FLAGS, "-o", tmp, str(src), "-lm", "-lpthread"]
+    cmd = [cc, *flags, "-o", tmp, str(src), "-lm", "-lpthread"]
     try:
         r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
@@ -119,6 +123,23 @@ _LIB: ctypes.CDLL | None = None
 _LIB_ERROR: str | None = None
 
 
+def load(path: Path) -> ctypes.CDLL:
+    """Load a built library and declare its functions.
+
+    Raises:
+        RuntimeError: its ABI is not this module's. OSError: not loadable.
+    """
+    lib = ctypes.CDLL(str(path))
+    lib.wide_decode_abi.restype = _I64
+    if lib.wide_decode_abi() != ABI:
+        raise RuntimeError(f"native library ABI {lib.wide_decode_abi()} != {ABI}")
+    lib.wide_decode_step.restype = _I64
+    lib.wide_decode_step.argtypes = [ctypes.POINTER(_WModel), _I64, _I64, _I64, _P, _P, _P]
+    lib.wide_decode_scratch_floats.restype = _I64
+    lib.wide_decode_scratch_floats.argtypes = [ctypes.POINTER(_WModel)]
+    return lib
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded native library, or None (disabled by ``WIDE_CPU_NATIVE=0`` or not buildable;
     the reason is logged once and kept in ``unavailable_reason()``)."""
@@ -128,15 +149,7 @@ def library() -> ctypes.CDLL | None:
     if _LIB is not None or _LIB_ERROR is not None:
         return _LIB
     try:
-        lib = ctypes.CDLL(str(build()))
-        lib.wide_decode_abi.restype = _I64
-        if lib.wide_decode_abi() != ABI:
-            raise RuntimeError(f"native library ABI {lib.wide_decode_abi()} != {ABI}")
-        lib.wide_decode_step.restype = _I64
-        lib.wide_decode_step.argtypes = [ctypes.POINTER(_WModel), _I64, _I64, _I64, _P, _P, _P]
-        lib.wide_decode_scratch_floats.restype = _I64
-        lib.wide_decode_scratch_floats.argtypes = [ctypes.POINTER(_WModel)]
-        _LIB = lib
+        _LIB = load(build())
     except (RuntimeError, OSError) as e:
         _LIB_ERROR = str(e)
         log.warning("native cpu decode unavailable, using the PyTorch path: %s", str(e).splitlines()[0])
