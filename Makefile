@@ -81,7 +81,7 @@ $(LLAMA_STAMP): $(STAMP)
 bench: setup native llama-setup
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(VENV)/bin/wide bench runs/demo/export --systems hf,dense,cpu,dense-torch,cpu-torch,llama.cpp \
 	  --weights fp32,bf16,int8 --prefill-lengths 1024 --decode-batches 1 --new-tokens 128 --decode-prompt-len 64 \
-	  --threads 1,2 --ppl-tokens 2048 --ppl-seq-len 512 --data-dir ../shared/data --json-out docs/results/bench-cpu.json
+	  --threads 1,2 --ppl-tokens 4096 --ppl-seq-len 512 --data-dir ../shared/data --json-out docs/results/bench-cpu.json
 
 gpu-check: setup
 	$(PY) -m wide_cli.gpu_check --out docs/results/gpu

@@ -12,7 +12,7 @@ wide=${WIDE:-.venv/bin/wide}
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 $wide bench "$demo" --systems hf,dense,cpu,dense-torch,cpu-torch,llama.cpp --weights fp32,bf16,int8 \
   --prefill-lengths 1024 --decode-batches 1 --new-tokens 128 --decode-prompt-len 64 --threads 1,2 \
-  --ppl-tokens 2048 --ppl-seq-len 512 --data-dir ../shared/data --json-out "$out/bench-cpu.json"
+  --ppl-tokens 4096 --ppl-seq-len 512 --data-dir ../shared/data --json-out "$out/bench-cpu.json"
 $wide bench "$c05" --systems dense,cpu,dense-torch,cpu-torch,llama.cpp --weights fp32,bf16,int8 \
   --prefill-lengths 1024 --decode-batches 1 --new-tokens 128 --decode-prompt-len 64 --threads 1,2 \
   --json-out "$out/bench-cpu-cost05.json"
