@@ -553,9 +553,17 @@ static void split(int64_t n, int64_t part, int64_t parts, int64_t align, int64_t
 static void proj_job(void *arg, int64_t part, int64_t parts) {
     ProjJob *j = (ProjJob *)arg;
     int64_t lo, hi;
-    if (j->kind == 0) {
-        split(j->r1 - j->r0, part, parts, 16, &lo, &hi);
-        rows_dot(j->fmt, j->W, j->S, j->K, j->r0 + lo, j->r0 + hi, j->x, j->y + lo);
+    if (j->kind == 0) { /* rows of the ranges, concatenated, split evenly; y is indexed by row */
+        int64_t total = 0;
+        for (int64_t r = 0; r < j->nruns; r++) total += j->runs[2 * r + 1] - j->runs[2 * r];
+        split(total, part, parts, 16, &lo, &hi);
+        int64_t at = 0;
+        for (int64_t r = 0; r < j->nruns && at < hi; r++) {
+            int64_t r0 = j->runs[2 * r], n = j->runs[2 * r + 1] - r0;
+            int64_t a = lo > at ? lo - at : 0, b = hi - at < n ? hi - at : n;
+            if (b > a) rows_dot(j->fmt, j->W, j->S, j->K, r0 + a, r0 + b, j->x, j->y + r0 + a);
+            at += n;
+        }
         return;
     }
     split(j->N, part, parts, 16, &lo, &hi); /* output columns (float) or rows (int8) of this part */
@@ -588,12 +596,22 @@ static void proj_job(void *arg, int64_t part, int64_t parts) {
     }
 }
 
+/* y[r] = W[r] . x for the rows r of the ranges [runs[2i], runs[2i+1]) (y indexed by row), one
+ * dispatch to the pool for all of them. */
+static void run_rows_set(int64_t fmt, const void *W, const float *S, int64_t K, const int64_t *runs, int64_t nruns,
+                         const Vec *x, float *y) {
+    int64_t total = 0;
+    for (int64_t r = 0; r < nruns; r++) total += runs[2 * r + 1] - runs[2 * r];
+    if (total <= 0) return;
+    ProjJob j = {0, fmt, K, 0, 0, 0, 0, nruns, W, S, x, y, runs, NULL};
+    if (g_pool.n > 1 && total >= 64) pool_run(proj_job, &j);
+    else proj_job(&j, 0, 1);
+}
+
 static void run_rows(int64_t fmt, const void *W, const float *S, int64_t K, int64_t r0, int64_t r1,
                      const Vec *x, float *y) {
-    if (r1 <= r0) return;
-    ProjJob j = {0, fmt, K, r0, r1, 0, 0, 0, W, S, x, y, NULL, NULL};
-    if (g_pool.n > 1 && (r1 - r0) >= 64) pool_run(proj_job, &j);
-    else proj_job(&j, 0, 1);
+    const int64_t range[2] = {r0, r1};
+    run_rows_set(fmt, W, S, K, range, 1, x, y - r0);
 }
 
 /* y[0:N] += a[groups] @ W[groups] for the runs of active groups (axis-k projection); blocked:
@@ -786,9 +804,13 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
     rms_norm(x, L->ln_attn, D, m->eps, bf, h);
     int64_t nr = runs_of(exa, L->GA, runs);
     Vec vh = prepare_vec(fmt, h, D);
-    for (int64_t r = 0; r < nr; r++)
-        run_rows(fmt, L->qkv, L->qkv_s, D, runs[2 * r] * cols, runs[2 * r + 1] * cols, &vh, qkv + runs[2 * r] * cols);
-    run_rows(fmt, L->qkv, L->qkv_s, D, Nq, Nq + 2 * Nkv, &vh, qkv + Nq); /* every token's K/V */
+    {   /* Q rows of the active head groups and every token's K/V rows: one dispatch */
+        int64_t rows[2 * 4096 + 2];
+        for (int64_t r = 0; r < nr; r++) { rows[2 * r] = runs[2 * r] * cols; rows[2 * r + 1] = runs[2 * r + 1] * cols; }
+        rows[2 * nr] = Nq;
+        rows[2 * nr + 1] = Nq + 2 * Nkv;
+        run_rows_set(fmt, L->qkv, L->qkv_s, D, rows, nr + 1, &vh, qkv);
+    }
     cnt[0] += (na * cols + 2 * Nkv) * D;
     cnt[3] += wbytes(fmt, na * cols + 2 * Nkv, D);
     for (int64_t j = 0; j < L->GA; j++)
@@ -846,8 +868,11 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
     nr = runs_of(exf, L->GF, runs);
     vh = prepare_vec(fmt, h, D);
     /* gate|up rows of each run land group-major in hid: [j][gate fg | up fg] */
-    for (int64_t r = 0; r < nr; r++)
-        run_rows(fmt, L->gu, L->gu_s, D, runs[2 * r] * 2 * fg, runs[2 * r + 1] * 2 * fg, &vh, hid + runs[2 * r] * 2 * fg);
+    {
+        int64_t rows[2 * 4096];
+        for (int64_t r = 0; r < 2 * nr; r++) rows[r] = runs[r] * 2 * fg;
+        run_rows_set(fmt, L->gu, L->gu_s, D, rows, nr, &vh, hid);
+    }
     cnt[0] += nf * 2 * fg * D;
     cnt[3] += wbytes(fmt, nf * 2 * fg, D);
     /* SwiGLU into act [GF fg] (the reduction axis of down), active groups only */
