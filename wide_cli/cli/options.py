@@ -28,6 +28,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "eval_data": ("data", "eval"),
     "heldout_fraction": ("data", "heldout_fraction"),
     "max_train_tokens": ("data", "max_train_tokens"),
+    "self_generated": ("data", "self_generated"),
     "shuffle_documents": ("data", "shuffle_documents"),
     "method": ("routing", "method"),
     "sparsity": ("routing", "sparsity"),
@@ -76,6 +77,7 @@ Data = Annotated[str | None, typer.Option("--data", help="Training data: file, d
 EvalData = Annotated[str | None, typer.Option("--eval-data", help="Text for perplexity (default: held-out split of --data).")]
 HeldoutFraction = Annotated[float | None, typer.Option("--heldout-fraction", help="Share of packed sequences held out of training.")]
 MaxTrainTokens = Annotated[int | None, typer.Option("--max-train-tokens", help="Cap on tokenised training data.")]
+SelfGenerated = Annotated[int | None, typer.Option("--self-generated", help="Add N chat transcripts written by the dense model itself to the training data (chat models; 0 = none).")]
 ShuffleDocs = Annotated[bool | None, typer.Option("--shuffle-documents/--no-shuffle-documents", help="Shuffle documents before packing (default on).")]
 Method = Annotated[str | None, typer.Option("--method", help="wide | dynamic-depth | static-width | static-depth | dense.")]
 CostTarget = Annotated[float | None, typer.Option("--cost-target", help="Per-token cost to reach, a fraction of dense in (0, 1), e.g. 0.5 = half the FLOPs (wide: replaces --sparsity; static-depth default 0.75).")]

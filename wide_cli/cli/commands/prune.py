@@ -12,6 +12,7 @@ def prune_cmd(
     eval_data: options.EvalData = None,
     heldout_fraction: options.HeldoutFraction = None,
     max_train_tokens: options.MaxTrainTokens = None,
+    self_generated: options.SelfGenerated = None,
     shuffle_documents: options.ShuffleDocs = None,
     method: options.Method = None,
     cost_target: options.CostTarget = None,

@@ -43,6 +43,7 @@ def calibrate_cmd(
     data: options.Data = None,
     heldout_fraction: options.HeldoutFraction = None,
     max_train_tokens: options.MaxTrainTokens = None,
+    self_generated: options.SelfGenerated = None,
     method: options.Method = None,
     cost_target: options.CostTarget = None,
     cost_metric: options.CostMetric = None,
