@@ -244,19 +244,19 @@ class NativeDecoder:
             return "sparsity statistics layout"
         return None
 
-    def _f32(self, t: torch.Tensor | None) -> int | None:
+    def _held(self, t: torch.Tensor | None, dtype: torch.dtype) -> int | None:
+        """Pointer to a contiguous CPU copy of ``t`` in ``dtype``, kept alive with this object."""
         if t is None:
             return None
-        t = t.detach().to("cpu", torch.float32).contiguous()
+        t = t.detach().to("cpu", dtype).contiguous()
         self._keep.append(t)
         return t.data_ptr()
 
+    def _f32(self, t: torch.Tensor | None) -> int | None:
+        return self._held(t, torch.float32)
+
     def _u8(self, t: torch.Tensor | None) -> int | None:
-        if t is None:
-            return None
-        t = t.detach().to("cpu", torch.uint8).contiguous()
-        self._keep.append(t)
-        return t.data_ptr()
+        return self._held(t, torch.uint8)
 
     def _blocked(self, p) -> int:
         """A float axis-k ``Proj`` (``w_t [K, N]``) as ``[K / g, N, g]`` blocks; returns the pointer."""
