@@ -442,11 +442,14 @@ class Runtime:
         pad = generation.pad_token_id(self.tokenizer, self.eos_token_ids)
         return generation.pad_batch(prompts, pad, padding_side)
 
-    def generate(self, prompts, **kwargs) -> GenerationResult:
-        """Generate continuations of a batch of prompts of any lengths (``generation.generate``:
-        ``max_new_tokens``, ``sampling``, ``stop``, ``ignore_eos``, ``padding_side``,
-        ``on_text``, ``prefill_chunk``)."""
-        return generation.generate(self, prompts, **kwargs)
+    def generate(self, prompts, *, max_new_tokens: int = 64, sampling=None, stop: tuple[str, ...] = (),
+                 ignore_eos: bool = False, padding_side: str = "left", on_text=None,
+                 prefill_chunk: int | None = 2048) -> GenerationResult:
+        """Generate continuations of a batch of prompts of any lengths (``generation.generate``
+        documents the arguments)."""
+        return generation.generate(self, prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                                   ignore_eos=ignore_eos, padding_side=padding_side, on_text=on_text,
+                                   prefill_chunk=prefill_chunk)  # fmt: skip
 
 
 def _add_standin(x: torch.Tensor, execute: torch.Tensor | None, standin: torch.Tensor | None) -> torch.Tensor:
