@@ -153,11 +153,18 @@ def test_padded_or_traced_calls_use_the_torch_path(routed_model):
 
 
 def test_a_bad_token_id_is_refused(routed_model):
+    """The same DataError as the PyTorch path (one line, exit 2 in the CLI), nothing written."""
+    from wide_cli.errors import DataError
+
     rt = Runtime.from_model(routed_model("llama"), backend="cpu")
     cache = rt.new_cache(1, 8)
     rt.step(_prompt(3), None, cache)
+    assert rt._native_for(cache) is not None
+    with pytest.raises(DataError, match=str(rt.vocab_size)):
+        rt.step(torch.tensor([[rt.vocab_size]]), None, cache)
+    assert cache.length == 3
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        rt._native_for(cache).step(rt.vocab_size, cache)
+        rt._native_for(cache).step(-1, cache)
 
 
 def test_without_a_compiler_the_runtime_falls_back(monkeypatch, tmp_path, routed_model):

@@ -361,7 +361,10 @@ class Runtime:
         if B == 1 and T == 1 and logits != "all" and (valid is None or bool(valid.all())):
             native = self._native_for(cache)
             if native is not None:
-                out = native.step(int(input_ids[0, 0]), cache)
+                token = int(input_ids[0, 0])
+                if not 0 <= token < self.vocab_size:
+                    check_token_ids(input_ids, self.vocab_size)  # raises the same DataError as below
+                out = native.step(token, cache)
                 return None if logits == "none" else out
         input_ids = input_ids.to(self.device)
         check_token_ids(input_ids, self.vocab_size)
