@@ -53,7 +53,8 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
     runtimes: dict[tuple[str, str, str], Runtime] = {}
 
     def runtime_for(backend: str, fmt: str, variant: str = "") -> Runtime:
-        # the *-torch systems get their own runtime: its sparsity statistics are its own rows'
+        # the *-torch systems get their own runtime (shared by dense-torch and cpu-torch, as dense and
+        # cpu share theirs): the statistics it counts are those rows' own
         if (backend, fmt, variant) not in runtimes:
             runtimes[(backend, fmt, variant)] = Runtime(weights, backend, tokenizer=tokenizer, weight_format=fmt)
         return runtimes[(backend, fmt, variant)]
@@ -71,10 +72,10 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                 systems[(label, s, fmt)] = HFSystem(path, COMPUTE_DTYPE[fmt])
             elif s in ("dense", "dense-torch"):
                 be = cfg.dense_backend if s == "dense" else "cpu"
-                systems[(label, s, fmt)] = RuntimeSystem(runtime_for(be, fmt, s), False, None, cfg.seed,
+                systems[(label, s, fmt)] = RuntimeSystem(runtime_for(be, fmt, "torch" if s == "dense-torch" else ""), False, None, cfg.seed,
                                                          native=s == "dense")  # fmt: skip
             elif s == "cpu-torch":
-                systems[(label, s, fmt)] = RuntimeSystem(runtime_for("cpu", fmt, s), True, cfg.forced_sparsity, cfg.seed,
+                systems[(label, s, fmt)] = RuntimeSystem(runtime_for("cpu", fmt, "torch"), True, cfg.forced_sparsity, cfg.seed,
                                                          native=False)  # fmt: skip
             elif s != "llama.cpp":
                 if fmt == "int8" and s != "cpu":

@@ -148,7 +148,7 @@ class Runtime:
         self.vocab_size = weights.embed.shape[0]
         self.hidden_size = weights.embed.shape[1]
         embed = weights.embed
-        if fmt == "int8":  # the embedding rows an int8 export stores (per-row int8), for lookups too
+        if fmt == "int8":  # the embedding rows an int8 export stores (int8 blocks of 32), for lookups too
             from wide_cli.runtime.quant import int8_values
 
             embed = int8_values(embed)
