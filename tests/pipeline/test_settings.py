@@ -72,3 +72,20 @@ def test_flags_override_recipe():
     assert s.train.lr == load_recipe("smollm2-135m-cpu").train.lr  # None = keep the recipe's
     s = resolve_settings("tiny-llama", "smollm2-135m-cpu", {})
     assert s.model.name == "tiny-llama"
+
+
+def test_sparsity_flag_replaces_the_recipe_cost_target():
+    # The demo recipe sets a cost target; a user who asks for --sparsity on the command line means
+    # the paper's group fraction, which the cost target would otherwise silently override.
+    assert load_recipe("smollm2-135m-cpu").routing.cost_target is not None
+    s = resolve_settings(None, "smollm2-135m-cpu", {"sparsity": 0.5})
+    assert s.routing.sparsity == 0.5 and s.routing.cost_target is None
+    s = resolve_settings(None, "smollm2-135m-cpu", {"sparsity_attention": 0.4, "sparsity_ffn": 0.2})
+    assert s.routing.cost_target is None
+    s = resolve_settings(None, "smollm2-135m-cpu", {"cost_target": 0.6})
+    assert s.routing.cost_target == 0.6
+
+
+def test_sparsity_and_cost_target_flags_together_are_refused():
+    with pytest.raises(ConfigError, match=r"--sparsity 0.5 and --cost-target 0.6 both given"):
+        resolve_settings(None, None, {"sparsity": 0.5, "cost_target": 0.6})

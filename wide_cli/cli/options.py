@@ -72,6 +72,9 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "freeze_routers": ("stage2", "freeze_routers"),
 }
 
+# Flags that state the paper's unweighted sparsity target (they replace a recipe's cost target).
+SPARSITY_FLAGS = ("sparsity", "sparsity_attention", "sparsity_ffn")
+
 # Option declarations shared by `prune` and the stage commands.
 Data = Annotated[str | None, typer.Option("--data", help="Training data: file, directory, HF dataset id or builtin:pydoc.")]
 EvalData = Annotated[str | None, typer.Option("--eval-data", help="Text for perplexity (default: held-out split of --data).")]
@@ -80,9 +83,9 @@ MaxTrainTokens = Annotated[int | None, typer.Option("--max-train-tokens", help="
 SelfGenerated = Annotated[int | None, typer.Option("--self-generated", help="Add N chat transcripts written by the dense model itself to the training data (chat models; 0 = none).")]
 ShuffleDocs = Annotated[bool | None, typer.Option("--shuffle-documents/--no-shuffle-documents", help="Shuffle documents before packing (default on).")]
 Method = Annotated[str | None, typer.Option("--method", help="wide | dynamic-depth | static-width | static-depth | dense.")]
-CostTarget = Annotated[float | None, typer.Option("--cost-target", help="Per-token cost to reach, a fraction of dense in (0, 1), e.g. 0.5 = half the FLOPs (wide: replaces --sparsity; static-depth default 0.75).")]
+CostTarget = Annotated[float | None, typer.Option("--cost-target", help="Per-token cost to reach, a fraction of dense in (0, 1), e.g. 0.5 = half the FLOPs (wide: instead of --sparsity; static-depth default 0.75).")]
 CostMetric = Annotated[str | None, typer.Option("--cost-metric", help="What --cost-target is a fraction of: flops | decode_bytes (default flops).")]
-Sparsity = Annotated[float | None, typer.Option("--sparsity", help="Target fraction of skipped (token, group) decisions, unweighted (the paper's), in [0, 1).")]
+Sparsity = Annotated[float | None, typer.Option("--sparsity", help="Target fraction of skipped (token, group) decisions, unweighted (the paper's), in [0, 1); replaces a recipe's cost target.")]
 SparsityWarmup = Annotated[float | None, typer.Option("--sparsity-warmup", help="Fraction of steps over which the sparsity/cost target ramps up from 0 (default 0).")]
 Standin = Annotated[str | None, typer.Option("--standin", help="What a skipped group adds: none | mean (calibration-mean output) | trained.")]
 DropLayers = Annotated[int | None, typer.Option("--drop-layers", help="Hybrid depth + width (wide, dynamic-depth): first remove this many least influential decoder layers (Block Influence), then route width in the rest; --cost-target still counts the whole model (default 0).")]
@@ -123,11 +126,26 @@ FreezeRouters = Annotated[bool | None, typer.Option("--freeze-routers/--train-ro
 
 def resolve_settings(model: str | None, recipe: str | None, flags: dict):
     """Defaults <- recipe <- flags. ``flags`` maps parameter names of FLAG_FIELDS to values
-    (None = not given). Returns Settings; raises ConfigError on bad values."""
+    (None = not given). A sparsity flag clears the recipe's cost target. Returns Settings.
+
+    Raises:
+        ConfigError: bad values, or a sparsity flag and ``--cost-target`` given together.
+    """
+    from wide_cli.errors import ConfigError
     from wide_cli.pipeline.settings import Settings, apply_overrides, load_recipe
 
     settings = load_recipe(recipe) if recipe else Settings()
     over = {FLAG_FIELDS[k]: v for k, v in flags.items() if k in FLAG_FIELDS}
+    # A sparsity flag states the paper's unweighted group fraction; a cost target in the recipe
+    # would replace it without a word, so the flag clears it. Both on one command line conflict.
+    given = {k: v for k, v in flags.items() if k in SPARSITY_FLAGS and v is not None}
+    if given and flags.get("cost_target") is not None:
+        name, value = next(iter(given.items()))
+        raise ConfigError(f"--{name.replace('_', '-')} {value} and --cost-target {flags['cost_target']} both given",
+                          "give one: --cost-target weighs each group by its cost, --sparsity is the paper's "
+                          "unweighted fraction of skipped groups")
+    if given:
+        settings = settings.replace("routing", cost_target=None)
     if model is not None:
         over[("model", "name")] = model
     return apply_overrides(settings, over)
