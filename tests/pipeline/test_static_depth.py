@@ -93,6 +93,10 @@ def test_static_depth_export_is_plain_transformers_and_equals_dense_with_layers_
     res = json.loads(r.stdout.strip().splitlines()[-1])
     info = res["train"]["static_depth"]
     assert info["num_layers"] == 2 and len(info["removed"]) == 1
+    # the reported cost is the layer-pruned model's against its source, not 1.0 (no routers)
+    assert res["cost"]["flops"] == pytest.approx(info["cost_fraction"])
+    assert res["cost"]["error"] == pytest.approx(info["cost_fraction"] - 0.7)
+    assert 0 < res["cost"]["decode_bytes"] < 1
     exp = run / "export"
     assert not (exp / "routers.safetensors").exists()
     wcfg = json.loads((exp / "wide_config.json").read_text())

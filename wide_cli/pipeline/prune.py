@@ -114,7 +114,8 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
         report = stages.evaluate(settings, run, out)
     sp = report.get("sparsity") or {}
     # the routed model's shape (a hybrid run's has fewer layers than its source)
-    cost = measured_cost(settings, loaded.model.config, sp, report.get("seq_len") or settings.train.seq_len)
+    cost = measured_cost(settings, loaded.model.config, sp, report.get("seq_len") or settings.train.seq_len,
+                         static_depth=train_info.get("static_depth"))
     if cost.get("error") is not None:
         log(f"      cost on the eval tokens: {cost[cost['metric']]:.3f} of dense {cost['metric']} "
             f"(target {cost['target']:.3f}, off by {cost['error']:+.3f})")
@@ -134,16 +135,25 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
     )
 
 
-def measured_cost(settings: Settings, config, sparsity: dict, seq_len: int) -> dict:
-    """Cost fractions of dense at a measured sparsity (see ``PruneResult.cost``)."""
-    from wide_cli.cost import cost_model
+def measured_cost(settings: Settings, config, sparsity: dict, seq_len: int, *, static_depth: dict | None = None) -> dict:
+    """Cost fractions of dense at a measured sparsity (see ``PruneResult.cost``).
+
+    ``static_depth``: a static-depth run's layer selection (``num_layers`` of the source,
+    ``removed``); its cost is that of the shorter dense model against the source (no routers)."""
+    from wide_cli.cost import cost_model, fraction_after
     from wide_cli.models.arch import model_shape
 
     shape = model_shape(config)
     rc = settings.routing
-    # a hybrid's routed layers are a fraction of its source: scale to the whole source model
-    out = {m: cost_model(shape, metric=m, seq_len=seq_len).relative(sparsity)
-           * dataclasses.replace(rc, cost_metric=m).depth_fraction(shape, seq_len) for m in ("flops", "decode_bytes")}
+    if static_depth is not None:
+        source = dataclasses.replace(shape, num_layers=int(static_depth["num_layers"]))
+        out = {m: fraction_after(cost_model(source, metric=m, seq_len=seq_len), len(static_depth["removed"]))
+               for m in ("flops", "decode_bytes")}
+    else:
+        # a hybrid's routed layers are a fraction of its source: scale to the whole source model
+        out = {m: cost_model(shape, metric=m, seq_len=seq_len).relative(sparsity)
+               * dataclasses.replace(rc, cost_metric=m).depth_fraction(shape, seq_len)
+               for m in ("flops", "decode_bytes")}
     target = settings.routing.cost_target
     out.update(target=target, metric=settings.routing.cost_metric if target is not None else None,
                error=None if target is None else out[settings.routing.cost_metric] - target)
