@@ -76,6 +76,27 @@ def test_unreachable_cost_target_names_value_and_range():
     assert f"cost target {lo / 2}" in msg and f"[{lo:.3f}, 1)" in msg and "keeping 1 of 6 layers" in msg
 
 
+def test_healing_distills_from_the_source_model_not_the_layer_pruned_one():
+    # Distillation's teacher is the backbone with LoRA off; for healing that must be the source
+    # model with every layer, or half the loss pulls towards the unhealed pruned model.
+    from wide_cli.routing import attach_routers
+    from wide_cli.train.loop import _teacher_logits
+
+    source = tiny_model("llama", seed=2, num_hidden_layers=4).eval()
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = source(input_ids=ids).logits
+        pruned = depth.remove_layers(tiny_model("llama", seed=2, num_hidden_layers=4).eval(), [1, 2])(input_ids=ids).logits
+    model = sd.healing_model(source, [1, 2])
+    attach_routers(model, sd.PLAIN_ROUTING)
+    assert len(model.model.layers) == 2 and len(source.model.layers) == 4  # the source is untouched
+    with torch.no_grad():
+        student = model(input_ids=ids).logits
+        teacher = _teacher_logits(model, model, ids)
+    torch.testing.assert_close(student, pruned)
+    torch.testing.assert_close(teacher, want)
+
+
 TINY = ["--seq-len", "32", "--batch-size", "2", "--eval-max-tokens", "1024"]
 
 

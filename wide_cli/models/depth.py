@@ -5,8 +5,6 @@ and by the training loop; it knows nothing of run dirs or pipelines."""
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from wide_cli.errors import ConfigError
@@ -40,11 +38,6 @@ def remove_layers(model, removed: list[int]):
         if hasattr(layer, "layer_idx"):
             layer.layer_idx = j
     return model
-
-
-def prune_copy(model, removed: list[int]):
-    """A deep copy of ``model`` with ``removed`` layers deleted (the original is untouched)."""
-    return remove_layers(copy.deepcopy(model), removed)
 
 
 def drop_for_hybrid(model, removed: list[int]):

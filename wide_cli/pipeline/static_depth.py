@@ -21,7 +21,7 @@ import torch
 
 from wide_cli.cost import fraction_after
 from wide_cli.errors import ConfigError
-from wide_cli.models.depth import drop_for_hybrid, is_layer_pruned, prune_copy, remove_layers
+from wide_cli.models.depth import drop_for_hybrid, is_layer_pruned, remove_layers
 from wide_cli.routing.config import RoutingConfig
 
 log = logging.getLogger("wide")
@@ -224,7 +224,7 @@ def heal_run(settings, run, *, loaded, resume: bool = False, progress: bool = Tr
 
     sel = read_selection(run)
     packed = packed_data(settings, loaded.tokenizer, run)
-    model = prune_copy(loaded.model, sel["removed"])
+    model = healing_model(loaded.model, sel["removed"])
     # the training loop drives a RoutingState; a dense one routes nothing and adds no loss term
     attach_routers(model, PLAIN_ROUTING)
     for prm in model.parameters():
@@ -238,6 +238,16 @@ def heal_run(settings, run, *, loaded, resume: bool = False, progress: bool = Tr
                       progress=progress, tau=(1.0, 1.0))
     atomic_save_safetensors(run.stage2 / ADAPTER_FILE, adapter_state_dict(peft_model))
     return res
+
+
+def healing_model(model, removed: list[int]):
+    """A copy of ``model`` with ``removed`` layers deleted, for LoRA healing (the original is
+    untouched). The removed layers stay aside (``models.depth.drop_for_hybrid``) so that
+    distillation's teacher (``train.distill``) is the source model with every layer, not the
+    unhealed layer-pruned one."""
+    import copy
+
+    return drop_for_hybrid(copy.deepcopy(model), removed)
 
 
 def pruned_model_from_run(settings, run, *, loaded):
