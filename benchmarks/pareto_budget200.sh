@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue #11 at the issue's reference budget (200 steps x 4 x 256 corpus tokens per trained method)
+# on SmolLM2-135M at ~0.79 of dense FLOPs (~1.3x measured decode): wide with the chosen levers at
+# two LoRA learning rates, the wide+depth hybrid, and static depth healed with LoRA at the same
+# budget and learning rate. Then the run's quality protocol (WikiText-2 test, first 32 pages,
+# 256-token windows, the seven tasks at --limit 32, bf16) and `wide compare`'s speed protocol.
+# Results: docs/results/pareto-smollm2/budget200.md. Hours on a 2-core CPU: a benchmark, not a test.
+# QUEUE=a|b runs half the training jobs (two queues side by side, one thread each); QUEUE=eval
+# evaluates and measures speed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WIDE=${WIDE:-.venv/bin/wide}
+PY=${PY:-.venv/bin/python}
+STEPS=${STEPS:-200}
+DATA_DIR=${DATA_DIR:-../shared/data}
+QUEUE=${QUEUE:-a}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
+mkdir -p runs
+# The demo recipe's settings (attention group 3, FFN group 128, router rank 32, 160 self-generated
+# chat transcripts packed with the corpus, frozen bf16 backbone), on the shared corpus.
+COMMON=(--recipe smollm2-135m-cpu --data "$DATA_DIR/corpus" --shuffle-documents --checkpoint-every 50
+        --eval-max-tokens 16384 --self-generated 160 --json)
+LEVERS=(--standin trained --distill 0.5 --lora-joint --steps "$STEPS")  # + --lora-lr below (recipe: 1e-3)
+
+prune() {  # $1 = run name, rest = flags
+  local name=$1; shift
+  [ -f "runs/$name/export/manifest.json" ] && return 0
+  $WIDE prune smollm2-135m "${COMMON[@]}" --run-dir "runs/$name" --out "runs/$name/export" "$@" \
+      > "runs/$name.json"
+}
+
+case $QUEUE in
+  a)
+    prune w200 --method wide --cost-target 0.79 "${LEVERS[@]}" --lora-lr 2e-4
+    prune sd200 --method static-depth --cost-target 0.79 --lora --lora-steps "$STEPS" --lora-lr 2e-4 --distill 0.5
+    ;;
+  b)
+    prune w200lr --method wide --cost-target 0.79 "${LEVERS[@]}" --lora-lr 1e-3
+    prune h4-200lr --method wide --drop-layers 4 --cost-target 0.79 "${LEVERS[@]}" --lora-lr 1e-3
+    ;;
+  eval)
+    # quality: the same code path and settings as `wide compare` (token-level WikiText-2, 7 tasks)
+    for t in smollm2-135m runs/w200lr/export runs/w200/export runs/sd200/export runs/h4-200lr/export; do
+      $PY - "$t" "$DATA_DIR" <<'EOF'
+import sys
+from pathlib import Path
+from wide_cli.eval.run import evaluate_targets
+tasks = "wikitext,arc_easy,arc_challenge,piqa,hellaswag,boolq,winogrande,openbookqa".split(",")
+evaluate_targets([sys.argv[1]], tasks=tasks, data_dir=Path(sys.argv[2]), limit=32, seq_len=256, batch_size=4,
+                 dtype="bf16", device="cpu", cache_dir=Path("runs/eval-cache"), wikitext_protocols=("token",))
+EOF
+    done
+    # speed: decode batch 1 (64 tokens after a 64-token prompt) and prefill 1024, fp32, 1 thread,
+    # round-robin, 1 warm-up + 3 rounds, median, against dense in the same rounds
+    $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget200-targets.json runs/budget200-speed.json
+    ;;
+esac
