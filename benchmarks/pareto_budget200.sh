@@ -52,6 +52,7 @@ EOF
     done
     # speed: decode batch 1 (64 tokens after a 64-token prompt) and prefill 1024, fp32, 1 thread,
     # round-robin, 1 warm-up + 3 rounds, median, against dense in the same rounds
+    # (session 8 timed the static-depth row on the session-6 export with the same 8 layers removed)
     $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget200-targets.json runs/budget200-speed.json
     ;;
 esac
