@@ -36,7 +36,7 @@ def _export(tmp_path, kind="llama", cfg=None, **over):
      ("mistral", {})],
 )
 def test_roundtrip_reproduces_logits_exactly(tmp_path, kind, over):
-    _, state, ref, out = _export(tmp_path, kind, **over)
+    _, _state, ref, out = _export(tmp_path, kind, **over)
     pm = load_pruned(out)
     with torch.no_grad():
         got = pm.model(IDS).logits
@@ -49,7 +49,7 @@ def test_roundtrip_reproduces_logits_exactly(tmp_path, kind, over):
 def test_b03_b26_config_keeps_head_dim_and_rope_scaling(tmp_path):
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 128, "rope_theta": 500000.0}
-    _, _, ref, out = _export(tmp_path, "llama", head_dim=32, max_position_embeddings=1024, rope_parameters=rope)
+    _, _, _ref, out = _export(tmp_path, "llama", head_dim=32, max_position_embeddings=1024, rope_parameters=rope)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["head_dim"] == 32
     saved = cfg.get("rope_parameters") or cfg.get("rope_scaling")
@@ -57,7 +57,7 @@ def test_b03_b26_config_keeps_head_dim_and_rope_scaling(tmp_path):
         assert saved[k] == v
     from transformers import AutoModelForCausalLM
 
-    plain, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    _plain, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"]
 
 
@@ -71,7 +71,7 @@ def test_b15_export_has_qkv_biases(tmp_path):
 
 
 def test_b13_tied_embeddings_stored_once_and_reload_identical(tmp_path):
-    model, _, ref, out = _export(tmp_path, "llama", tie_word_embeddings=True)
+    _model, _, _ref, out = _export(tmp_path, "llama", tie_word_embeddings=True)
     t = load_file(str(out / "model.safetensors"))
     assert "model.embed_tokens.weight" in t and "lm_head.weight" not in t
     pm = load_pruned(out)
@@ -79,7 +79,7 @@ def test_b13_tied_embeddings_stored_once_and_reload_identical(tmp_path):
 
 
 def test_b13b_untied_embeddings_saved_separately_and_bit_identical(tmp_path):
-    model, _, _, out = _export(tmp_path, "llama", tie_word_embeddings=False)
+    _model, _, _, out = _export(tmp_path, "llama", tie_word_embeddings=False)
     t = load_file(str(out / "model.safetensors"))
     assert torch.equal(t["model.embed_tokens.weight"], tiny_model("llama").model.embed_tokens.weight)
     assert not torch.equal(t["lm_head.weight"], t["model.embed_tokens.weight"])
@@ -186,7 +186,7 @@ def test_failed_export_leaves_previous_export_untouched(tmp_path, monkeypatch):
 
 def test_static_width_export_roundtrip(tmp_path):
     model = tiny_model("llama")
-    keep = {(i, m): torch.tensor([True, False] * (2 if m == "attention" else 2)) for i in range(2)
+    keep = {(i, m): torch.tensor([True, False] * 2) for i in range(2)
             for m in ("attention", "ffn")}
     cfg = RoutingConfig(method="static-width", attn_group_size=1, ffn_group_size=32)
     attach_routers(model, cfg, static_keep=keep)

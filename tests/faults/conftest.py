@@ -113,7 +113,7 @@ class WideProcess:
         # A job started in the background of a non-interactive shell inherits SIGINT ignored, and
         # Python then keeps it ignored: give the child the default disposition, as a terminal would.
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=wide_env(),
-                                     cwd=cwd, preexec_fn=_default_sigint)
+                                     cwd=cwd, preexec_fn=_default_sigint)  # noqa: PLW1509 - the test process starts no threads before this
         self.lines: list[str] = []
         self.stdout = ""
         self._t = threading.Thread(target=self._drain, daemon=True)

@@ -57,7 +57,7 @@ def test_naive_gemm_baselines_match_the_references(M):
     mask = _masks(M, 3, M)
     # fp32 sums of 64-96 products: BLAS blocks the reduction differently with the thread count and
     # the matrix shape, so the two paths round differently by a few ulp of values of order 1-10.
-    tol = dict(atol=1e-4, rtol=1e-5)
+    tol = {"atol": 1e-4, "rtol": 1e-5}
     close = torch.testing.assert_close
     close(workload._naive_mn(a, w, None, mask, 32), ops.gemm_mn(a, w, mask, 32), **tol)
     close(workload._naive_mn(a, w, w2, mask, 32), ops.gemm_mn_swiglu(a, w, w2, mask, 32), **tol)

@@ -13,7 +13,7 @@ ARGS = ["prune", "tiny-llama", "--steps", "3", "--seq-len", "32", "--attn-group-
 
 
 def _run(cmd, env):
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
@@ -34,6 +34,6 @@ def test_two_processes_match_one_process_with_double_batch(tmp_path, text_file):
     # one export, written by rank 0; one JSON summary
     assert (two / "export" / "manifest.json").is_file()
     assert len([ln for ln in r2.stdout.splitlines() if ln.startswith("{")]) == 1
-    res = json.loads([ln for ln in r2.stdout.splitlines() if ln.startswith("{")][0])
+    res = json.loads(next(ln for ln in r2.stdout.splitlines() if ln.startswith("{")))
     assert res["train"]["tokens"] == 3 * 4 * 32
     assert json.loads(r1.stdout.strip().splitlines()[-1])["train"]["tokens"] == 3 * 4 * 32

@@ -153,7 +153,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                                 sparsity[key] = sys_.rt.stats.summary() if sys_.routed else None
                     log(f"{threads} threads, {phase} batch {B} len {L}: round {r + 1}/{cfg.warmup + cfg.repeats}")
                 dense = dense_macs(weights, phase, B, L, cfg.new_tokens)
-                for key in active:
+                for key, system in active.items():
                     label, kind, fmt = key
                     sp = sparsity.get(key)
                     sp_short = None if sp is None else {k: sp[k] for k in ("attention", "ffn", "total")}
@@ -173,7 +173,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                         new_tokens=cfg.new_tokens if phase == "decode" else 0, seconds=times[key],
                         tokens=B * L if phase == "prefill" else B * cfg.new_tokens, measured_sparsity=sp_short,
                         skips_work=skips, executed_mac_fraction=frac, ideal_speedup=ideal,
-                        path=getattr(active[key], "path", None),
+                        path=getattr(system, "path", None),
                         weight_bytes_per_step=wb / (dcost.speedup_bound(sp_short) if sp_short else 1.0),
                     ))  # fmt: skip
             for key, sys_ in tsys.items():

@@ -111,7 +111,8 @@ class GroupStatistics:
                 meta = f.metadata() or {}
                 if meta.get("format") != FORMAT:
                     raise CheckpointError(f"{path} is not a wide statistics file", hint)
-                means = [f.get_tensor(k) if k in f.keys() else None for k in ("attn_input_mean", "ffn_input_mean")]
+                names = set(f.keys())  # safe_open has keys(), no __contains__
+                means = [f.get_tensor(k) if k in names else None for k in ("attn_input_mean", "ffn_input_mean")]
                 return cls(f.get_tensor("attn_head_norm"), f.get_tensor("ffn_channel_norm"), int(meta["tokens"]),
                            *means)
         except (OSError, SafetensorError, KeyError, ValueError) as e:

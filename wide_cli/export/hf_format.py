@@ -316,7 +316,7 @@ def load_hf_export(path, *, dtype: torch.dtype = torch.float32, device="cpu", ve
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            kw = dict(dtype=dtype, local_files_only=True, output_loading_info=True)
+            kw = {"dtype": dtype, "local_files_only": True, "output_loading_info": True}
             if trust_remote_code:
                 model, info = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kw)
             else:

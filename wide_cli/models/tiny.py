@@ -30,7 +30,7 @@ def char_tokenizer(*, with_pad: bool = False, vocab_size: int = 128):
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
-    kw = dict(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    kw = {"tokenizer_object": tk, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
     if with_pad:
         kw["pad_token"] = "<pad>"
     return PreTrainedTokenizerFast(**kw)
@@ -45,20 +45,20 @@ def tiny_config(kind: str = "llama", **overrides):
     """
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    base = dict(
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
+    base = {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "max_position_embeddings": 512,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
         # Wider than HF's 0.02 so that random logits are far from uniform (loader smoke checks).
-        initializer_range=0.1,
-    )
+        "initializer_range": 0.1,
+    }
     base.update(overrides)
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[kind]
     cfg = cls(**base)

@@ -35,7 +35,7 @@ class DistInfo:
 def dist_info() -> DistInfo:
     """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK)."""
     return DistInfo(
-        int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+        int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     )
 
 

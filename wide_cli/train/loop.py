@@ -98,7 +98,7 @@ def load_checkpoint(stage_dir: Path, model, optimizer, scheduler, identity: dict
         meta = json.loads((ck / "state.json").read_text())
         tensors = load_file(str(ck / "trainable.safetensors"))
         blob = torch.load(ck / "optimizer.pt", weights_only=False)
-    except Exception as e:  # any unreadable piece means the same to the user
+    except Exception as e:  # noqa: BLE001 - any unreadable piece means the same to the user
         raise CheckpointError(f"cannot read checkpoint {ck}: {e}", "delete it to start over") from None
     def procs(n):
         return f"{n} process{'es' if n != 1 else ''}"
@@ -155,7 +155,7 @@ def _log(msg: str) -> None:
 def _lr_scheduler(optimizer, cfg: TrainConfig):
     from transformers import get_cosine_schedule_with_warmup
 
-    warmup = int(round(cfg.warmup_frac * cfg.steps))
+    warmup = round(cfg.warmup_frac * cfg.steps)
     return get_cosine_schedule_with_warmup(optimizer, warmup, cfg.steps)
 
 
@@ -223,7 +223,7 @@ def train_stage(
     cost = rcfg.cost_model(state.shape, cfg.seq_len) if rcfg.cost_target is not None and modules else None
     # the target as a fraction of this (possibly layer-pruned, RoutingConfig.drop_layers) model's cost
     routed_target = rcfg.routed_cost_target(state.shape, cfg.seq_len) if cost is not None else None
-    warm_steps = int(round(rcfg.sparsity_warmup * cfg.steps))
+    warm_steps = round(rcfg.sparsity_warmup * cfg.steps)
     scheduler = _lr_scheduler(optimizer, cfg)
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 17)  # same on every rank
     torch.manual_seed(cfg.seed + rank)

@@ -95,9 +95,8 @@ def merge_lora(peft_model, *, check_changed: bool = True):
     before = {}
     if check_changed:
         for n, m in peft_model.named_modules():
-            if hasattr(m, "lora_B") and "default" in m.lora_B:
-                if m.lora_B["default"].weight.abs().sum() > 0:
-                    before[n] = m.base_layer.weight.detach().clone()
+            if hasattr(m, "lora_B") and "default" in m.lora_B and m.lora_B["default"].weight.abs().sum() > 0:
+                before[n] = m.base_layer.weight.detach().clone()
     merged = peft_model.merge_and_unload()
     if check_changed:
         mods = dict(merged.named_modules())
