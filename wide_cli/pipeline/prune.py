@@ -140,15 +140,14 @@ def measured_cost(settings: Settings, config, sparsity: dict, seq_len: int, *, s
 
     ``static_depth``: a static-depth run's layer selection (``num_layers`` of the source,
     ``removed``); its cost is that of the shorter dense model against the source (no routers)."""
-    from wide_cli.cost import cost_model, fraction_after
+    from wide_cli.cost import cost_model, static_depth_export_cost
     from wide_cli.models.arch import model_shape
 
     shape = model_shape(config)
     rc = settings.routing
     if static_depth is not None:
-        source = dataclasses.replace(shape, num_layers=int(static_depth["num_layers"]))
-        out = {m: fraction_after(cost_model(source, metric=m, seq_len=seq_len), len(static_depth["removed"]))
-               for m in ("flops", "decode_bytes")}
+        flops, decode_bound = static_depth_export_cost({"static_depth": static_depth}, shape, seq_len=seq_len)
+        out = {"flops": flops["relative"], "decode_bytes": 1.0 / decode_bound}
     else:
         # a hybrid's routed layers are a fraction of its source: scale to the whole source model
         out = {m: cost_model(shape, metric=m, seq_len=seq_len).relative(sparsity)
