@@ -76,3 +76,19 @@ def test_errors_are_one_line(saved_tiny, tmp_path, capsys, args, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert err[-1].startswith(message)
+
+
+def test_eval_data_alone_evaluates_just_that_file(saved_tiny, text_file, tmp_path, monkeypatch):
+    """`wide eval MODEL --eval-data FILE` without --tasks scores the file only: it needs no task
+    data (a user's clone has no ../shared) and does not start the eight default tasks."""
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    monkeypatch.chdir(work)  # no ../shared/data next to the working directory
+    r = CliRunner().invoke(app, ["eval", str(saved_tiny), "--eval-data", str(text_file), "--seq-len", "64",
+                                 "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["settings"]["tasks"] == []
+    res = rep["rows"][0]["results"]
+    assert list(res) == ["eval_data"]
+    assert res["eval_data"]["dataset"]["file"] == str(text_file) and res["eval_data"]["perplexity"] > 1

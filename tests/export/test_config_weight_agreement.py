@@ -59,7 +59,7 @@ def test_load_pruned_names_the_disagreeing_field(edited_export):
 
 
 @pytest.mark.parametrize("command", [["generate", "{exp}", "-p", "Hello", "--max-new-tokens", "2"],
-                                     ["eval", "{exp}", "--tasks", "wikitext", "--eval-data", "{text}", "--seq-len", "64"]])
+                                     ["eval", "{exp}", "--eval-data", "{text}", "--seq-len", "64"]])
 def test_commands_exit_2_with_one_line_on_an_edited_config(edited_export, text_file, capsys, command):
     code = main([a.format(exp=edited_export, text=text_file) for a in command])
     err = capsys.readouterr().err
@@ -78,7 +78,7 @@ def edited_model_dir(tmp_path):
 
 @pytest.mark.parametrize("command", [
     ["prune", "{model}", "--data", "{text}", "--run-dir", "{run}", "--steps", "1", "--seq-len", "32"],
-    ["eval", "{model}", "--tasks", "wikitext", "--eval-data", "{text}", "--seq-len", "64"],
+    ["eval", "{model}", "--eval-data", "{text}", "--seq-len", "64"],
 ])
 def test_model_directory_with_an_inconsistent_config_is_exit_2_not_a_runtime_error(
         edited_model_dir, text_file, tmp_path, capsys, command):

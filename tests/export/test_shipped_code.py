@@ -48,7 +48,7 @@ def test_load_pruned_refuses_an_edited_modeling_file_without_running_it(planted)
 
 
 @pytest.mark.parametrize("command", [
-    ["eval", "{exp}", "--tasks", "wikitext", "--limit", "1", "--seq-len", "64", "--eval-data", "{text}"],
+    ["eval", "{exp}", "--seq-len", "64", "--eval-data", "{text}"],
     ["inspect", "{exp}", "--text", "{text}"],
     ["generate", "{exp}", "-p", "Hello", "--max-new-tokens", "2"],
     ["bench", "{exp}"],

@@ -14,7 +14,7 @@ Targets = Annotated[list[str] | None, typer.Argument(
          ".gguf). The first dense one is the reference for '% of dense'.")]
 TasksOpt = Annotated[str | None, typer.Option(
     "--tasks", help="Comma-separated: wikitext, arc_easy, arc_challenge, piqa, hellaswag, boolq, winogrande, "
-                    "openbookqa (default: all).")]
+                    "openbookqa (default: all; with --eval-data, none: just the file).")]
 DataDirOpt = Annotated[Path | None, typer.Option(
     "--data-dir", help="Directory with wikitext-2-raw/ and zeroshot/ (default: ../shared/data if present).")]
 LimitOpt = Annotated[int | None, typer.Option(
@@ -24,7 +24,8 @@ EvalSeqLenOpt = Annotated[int | None, typer.Option(
 StrideOpt = Annotated[int | None, typer.Option(
     "--stride", help="Perplexity stride < seq-len for sliding windows (default: non-overlapping).")]
 EvalBatchOpt = Annotated[int | None, typer.Option("--batch-size", help="Requests/windows per forward (default 4).")]
-EvalDataOpt = Annotated[Path | None, typer.Option("--eval-data", help="Any UTF-8 text file: token-level perplexity.")]
+EvalDataOpt = Annotated[Path | None, typer.Option(
+    "--eval-data", help="Any UTF-8 text file: token-level perplexity (alone unless --tasks is given).")]
 ReportOutOpt = Annotated[Path | None, typer.Option(
     "--out", help="Write report.json, report.md and sparsity plots here (default: nothing written).")]
 
@@ -37,6 +38,13 @@ def default_data_dir() -> Path | None:
     """``../shared/data`` relative to the working directory, when it exists."""
     p = Path.cwd().parent / "shared" / "data"
     return p if p.is_dir() else None
+
+
+def default_tasks(run, eval_data: Path | None) -> list[str]:
+    """The tasks when --tasks is omitted: every task, or none when --eval-data names a file, since
+    a user who brings their own text asks for its perplexity, not for the benchmark data (which a
+    clone without ../shared does not have)."""
+    return [] if eval_data is not None else list(run.DEFAULT_TASKS)
 
 
 def eval_cmd(
@@ -78,7 +86,7 @@ def eval_cmd(
         raise ConfigError("no TARGET given", "pass models/exports to compare, or --run-dir RUN for a run's eval stage")
     from wide_cli.eval import progress
 
-    task_list = list(run.DEFAULT_TASKS) if tasks is None else [t.strip() for t in tasks.split(",") if t.strip()]
+    task_list = default_tasks(run, eval_data) if tasks is None else [t.strip() for t in tasks.split(",") if t.strip()]
     with progress.enabled(render.err):
         report = _evaluate(run, targets, task_list, data_dir, limit, seq_len, stride, batch_size, dtype, device,
                            eval_data, out, cache_dir, trust_remote_code=trust_remote_code)
