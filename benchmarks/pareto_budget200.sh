@@ -5,7 +5,8 @@
 # budget and learning rate. Then the run's quality protocol (WikiText-2 test, first 32 pages,
 # 256-token windows, the seven tasks at --limit 32, bf16) and `wide compare`'s speed protocol.
 # Results: docs/results/pareto-smollm2/budget200.md. Hours on a 2-core CPU: a benchmark, not a test.
-# QUEUE=a|b runs half the training jobs (two queues side by side, one thread each); QUEUE=eval
+# QUEUE=a|b (session 8) and c|d (session 9) run the training jobs (two queues side by side, one
+# thread each); QUEUE=eval
 # evaluates and measures speed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,9 +39,18 @@ case $QUEUE in
     prune w200lr --method wide --cost-target 0.79 "${LEVERS[@]}" --lora-lr 1e-3
     prune h4-200lr --method wide --drop-layers 4 --cost-target 0.79 "${LEVERS[@]}" --lora-lr 1e-3
     ;;
+  c)  # session 9: static depth at the LoRA lr wide uses (after the teacher fix), and at ~0.71
+    prune sd200lrfix --method static-depth --cost-target 0.79 --lora --lora-steps "$STEPS" --lora-lr 1e-3 --distill 0.5
+    prune sd71lr --method static-depth --cost-target 0.71 --lora --lora-steps "$STEPS" --lora-lr 1e-3 --distill 0.5
+    ;;
+  d)  # session 9: the hybrid at two more cost points (0.83: ~static depth's measured speed; 0.71)
+    prune h4c83lr --method wide --drop-layers 4 --cost-target 0.83 "${LEVERS[@]}" --lora-lr 1e-3
+    prune h4c71lr --method wide --drop-layers 4 --cost-target 0.71 "${LEVERS[@]}" --lora-lr 1e-3
+    ;;
   eval)
     # quality: the same code path and settings as `wide compare` (token-level WikiText-2, 7 tasks)
-    for t in smollm2-135m runs/w200lr/export runs/w200/export runs/sd200/export runs/h4-200lr/export; do
+    for t in smollm2-135m runs/w200lr/export runs/w200/export runs/sd200/export runs/h4-200lr/export \
+             runs/sd200lrfix/export runs/h4c83lr/export runs/sd71lr/export runs/h4c71lr/export; do
       $PY - "$t" "$DATA_DIR" <<'EOF'
 import sys
 from pathlib import Path
@@ -54,5 +64,8 @@ EOF
     # round-robin, 1 warm-up + 3 rounds, median, against dense in the same rounds
     # (session 8 timed the static-depth row on the session-6 export with the same 8 layers removed)
     $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget200-targets.json runs/budget200-speed.json
+    # session 9: every 200-step model of both cost points in one run, 7 rounds (speedups of one
+    # 3-round run moved by up to 0.1x); sd200lrfix has sd200's architecture, so sd200 stands for it
+    $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget200-s9-targets.json runs/budget200-s9-speed.json --repeats 7
     ;;
 esac
