@@ -42,7 +42,8 @@ def test_runs_as_a_script_with_the_system_python(tmp_path):
 def test_a_file_that_is_not_a_pip_report_is_one_error_line(tmp_path):
     rep = tmp_path / "other.json"
     rep.write_text(json.dumps({"packages": []}))
-    out = subprocess.run([sys.executable, "-I", str(SCRIPT), str(rep)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-I", str(SCRIPT), str(rep)], check=False, capture_output=True,
+                         text=True)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip() == (f"error: {rep}: not a pip installation report (no 'install' list); "
                                   "make it with `pip install --dry-run --report FILE ...`")

@@ -44,12 +44,11 @@ def pinned_requirements(report: dict, skipped: frozenset[str] = SKIPPED) -> list
     Raises:
         ValueError: the report has no ``install`` list (not a pip installation report).
     """
-    items = report.get("install")
-    if not isinstance(items, list):
+    if "install" not in report:
         raise ValueError("not a pip installation report (no 'install' list); "
                          "make it with `pip install --dry-run --report FILE ...`")
     lines = []
-    for item in items:
+    for item in report["install"]:
         meta = item["metadata"]
         if normalize(meta["name"]) not in skipped:
             lines.append(f"{meta['name']}=={meta['version']}")
