@@ -42,6 +42,7 @@ case $QUEUE in
   c)  # session 9: static depth at the LoRA lr wide uses (after the teacher fix), and at ~0.71
     prune sd200lrfix --method static-depth --cost-target 0.79 --lora --lora-steps "$STEPS" --lora-lr 1e-3 --distill 0.5
     prune sd71lr --method static-depth --cost-target 0.71 --lora --lora-steps "$STEPS" --lora-lr 1e-3 --distill 0.5
+    prune sd68lr --method static-depth --cost-target 0.68 --lora --lora-steps "$STEPS" --lora-lr 1e-3 --distill 0.5
     ;;
   d)  # session 9: the hybrid at two more cost points (0.83: ~static depth's measured speed; 0.71)
     prune h4c83lr --method wide --drop-layers 4 --cost-target 0.83 "${LEVERS[@]}" --lora-lr 1e-3
@@ -50,7 +51,7 @@ case $QUEUE in
   eval)
     # quality: the same code path and settings as `wide compare` (token-level WikiText-2, 7 tasks)
     for t in smollm2-135m runs/w200lr/export runs/w200/export runs/sd200/export runs/h4-200lr/export \
-             runs/sd200lrfix/export runs/h4c83lr/export runs/sd71lr/export runs/h4c71lr/export; do
+             runs/sd200lrfix/export runs/h4c83lr/export runs/sd71lr/export runs/h4c71lr/export runs/sd68lr/export; do
       $PY - "$t" "$DATA_DIR" <<'EOF'
 import sys
 from pathlib import Path
@@ -67,5 +68,7 @@ EOF
     # session 9: every 200-step model of both cost points in one run, 7 rounds (speedups of one
     # 3-round run moved by up to 0.1x); sd200lrfix has sd200's architecture, so sd200 stands for it
     $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget200-s9-targets.json runs/budget200-s9-speed.json --repeats 7
+    # sd68lr (trained last) against the ~0.71 pair, a second run
+    $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget200-s9b-targets.json runs/budget200-s9b-speed.json --repeats 7
     ;;
 esac
