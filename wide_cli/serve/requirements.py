@@ -18,6 +18,7 @@ runs out of space fails the whole run).
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 #: packages never imported when vLLM serves a text model on the CPU (names as PEP 503 normalizes them)
@@ -26,15 +27,7 @@ SKIPPED = frozenset({"torchvision", "torchaudio", "torchcodec", "triton"})
 
 def normalize(name: str) -> str:
     """PEP 503 name normalization: lower case, runs of ``-_.`` become ``-``."""
-    out, prev_sep = [], False
-    for ch in name.lower():
-        sep = ch in "-_."
-        if sep and not prev_sep:
-            out.append("-")
-        elif not sep:
-            out.append(ch)
-        prev_sep = sep
-    return "".join(out)
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def pinned_requirements(report: dict, skipped: frozenset[str] = SKIPPED) -> list[str]:

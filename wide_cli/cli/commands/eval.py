@@ -40,13 +40,6 @@ def default_data_dir() -> Path | None:
     return p if p.is_dir() else None
 
 
-def default_tasks(run, eval_data: Path | None) -> list[str]:
-    """The tasks when --tasks is omitted: every task, or none when --eval-data names a file, since
-    a user who brings their own text asks for its perplexity, not for the benchmark data (which a
-    clone without ../shared does not have)."""
-    return [] if eval_data is not None else list(run.DEFAULT_TASKS)
-
-
 def eval_cmd(
     targets: Targets = None,
     run_dir: Annotated[Path | None, typer.Option(
@@ -86,7 +79,12 @@ def eval_cmd(
         raise ConfigError("no TARGET given", "pass models/exports to compare, or --run-dir RUN for a run's eval stage")
     from wide_cli.eval import progress
 
-    task_list = default_tasks(run, eval_data) if tasks is None else [t.strip() for t in tasks.split(",") if t.strip()]
+    if tasks is None:
+        # with --eval-data the user asks for their file's perplexity, not for the benchmark data
+        # (which a clone without ../shared does not have)
+        task_list = [] if eval_data is not None else list(run.DEFAULT_TASKS)
+    else:
+        task_list = [t.strip() for t in tasks.split(",") if t.strip()]
     with progress.enabled(render.err):
         report = _evaluate(run, targets, task_list, data_dir, limit, seq_len, stride, batch_size, dtype, device,
                            eval_data, out, cache_dir, trust_remote_code=trust_remote_code)
