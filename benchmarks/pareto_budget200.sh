@@ -5,7 +5,7 @@
 # budget and learning rate. Then the run's quality protocol (WikiText-2 test, first 32 pages,
 # 256-token windows, the seven tasks at --limit 32, bf16) and `wide compare`'s speed protocol.
 # Results: docs/results/pareto-smollm2/budget200.md. Hours on a 2-core CPU: a benchmark, not a test.
-# QUEUE=a|b (session 8) and c|d (session 9) run the training jobs (two queues side by side, one
+# QUEUE=a|b (session 8), c|d (session 9) and e|f (session 10, STEPS=400) run the training jobs (two queues side by side, one
 # thread each); QUEUE=eval
 # evaluates and measures speed.
 set -euo pipefail
@@ -47,6 +47,12 @@ case $QUEUE in
   d)  # session 9: the hybrid at two more cost points (0.83: ~static depth's measured speed; 0.71)
     prune h4c83lr --method wide --drop-layers 4 --cost-target 0.83 "${LEVERS[@]}" --lora-lr 1e-3
     prune h4c71lr --method wide --drop-layers 4 --cost-target 0.71 "${LEVERS[@]}" --lora-lr 1e-3
+    ;;
+  e)  # session 10: the issue's full budget (400 steps) for the ~1.3x pair: the hybrid at 0.83
+    prune h4c83s400 --method wide --drop-layers 4 --cost-target 0.83 "${LEVERS[@]}" --lora-lr 1e-3
+    ;;
+  f)  # session 10: healed static depth (8 layers) at the same 400-step budget
+    prune sd79s400 --method static-depth --cost-target 0.79 --lora --lora-steps "$STEPS" --lora-lr 1e-3 --distill 0.5
     ;;
   eval)
     # quality: the same code path and settings as `wide compare` (token-level WikiText-2, 7 tasks)
