@@ -27,7 +27,7 @@ train() {  # $1 = run name, rest = extra flags
   local name=$1; shift
   [ -f "runs/cmp-$name/export/manifest.json" ] && return 0
   $WIDE prune smollm2-135m --recipe smollm2-135m-cpu --data "$DATA_DIR/corpus" --shuffle-documents \
-      --checkpoint-every 50 --eval-max-tokens 16384 --run-dir "runs/cmp-$name" --out "runs/cmp-$name/export" \
+      --checkpoint-every 50 --eval-max-tokens 16384 --drop-layers 0 --run-dir "runs/cmp-$name" --out "runs/cmp-$name/export" \
       --json "$@" > "runs/cmp-$name.json"
 }
 train wide --steps "$STEPS" & a=$!

@@ -5,9 +5,9 @@
 # budget and learning rate. Then the run's quality protocol (WikiText-2 test, first 32 pages,
 # 256-token windows, the seven tasks at --limit 32, bf16) and `wide compare`'s speed protocol.
 # Results: docs/results/pareto-smollm2/budget200.md. Hours on a 2-core CPU: a benchmark, not a test.
-# QUEUE=a|b (session 8), c|d (session 9) and e|f (session 10, STEPS=400) run the training jobs (two queues side by side, one
-# thread each); QUEUE=eval
-# evaluates and measures speed.
+# QUEUE=a|b (session 8), c|d (session 9) and e|f (session 10, STEPS=400) run the training jobs (two
+# queues side by side, one thread each); QUEUE=eval (200 steps) and QUEUE=eval400 (400 steps)
+# evaluate and measure speed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WIDE=${WIDE:-.venv/bin/wide}
@@ -18,9 +18,11 @@ QUEUE=${QUEUE:-a}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
 mkdir -p runs
 # The demo recipe's settings (attention group 3, FFN group 128, router rank 32, 160 self-generated
-# chat transcripts packed with the corpus, frozen bf16 backbone), on the shared corpus.
+# chat transcripts packed with the corpus, frozen bf16 backbone), on the shared corpus. The recipe
+# drops 4 layers since session 10: `--drop-layers 0` keeps these runs as they were (a later
+# `--drop-layers N` on the same command line wins).
 COMMON=(--recipe smollm2-135m-cpu --data "$DATA_DIR/corpus" --shuffle-documents --checkpoint-every 50
-        --eval-max-tokens 16384 --self-generated 160 --json)
+        --eval-max-tokens 16384 --self-generated 160 --drop-layers 0 --json)
 LEVERS=(--standin trained --distill 0.5 --lora-joint --steps "$STEPS")  # + --lora-lr below (recipe: 1e-3)
 
 prune() {  # $1 = run name, rest = flags
@@ -76,5 +78,24 @@ EOF
     $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget200-s9-targets.json runs/budget200-s9-speed.json --repeats 7
     # sd68lr (trained last) against the ~0.71 pair, a second run
     $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget200-s9b-targets.json runs/budget200-s9b-speed.json --repeats 7
+    ;;
+  eval400)
+    # session 10: the issue's full quality protocol on the 400-step pair and dense: all 62 pages of
+    # WikiText-2 test (256-token windows) and the seven tasks at --limit 500, bf16, one model per
+    # process (two processes side by side, one thread each); then speed with the demo-recipe export
+    # (`make demo`'s recipe as of session 10, run as runs/demo-h4), 7 rounds; then the table
+    for t in smollm2-135m runs/sd79s400/export runs/h4c83s400/export; do
+      $PY - "$t" "$DATA_DIR" <<'EOF'
+import sys
+from pathlib import Path
+from wide_cli.eval.run import evaluate_targets
+tasks = "wikitext,arc_easy,arc_challenge,piqa,hellaswag,boolq,winogrande,openbookqa".split(",")
+evaluate_targets([sys.argv[1]], tasks=tasks, data_dir=Path(sys.argv[2]), limit=500, seq_len=256, batch_size=4,
+                 dtype="bf16", device="cpu", cache_dir=Path("runs/eval-cache-500"), wikitext_protocols=("token",))
+EOF
+    done
+    $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget400-targets.json runs/budget400-speed.json --repeats 7
+    $PY benchmarks/budget400_table.py runs/eval-cache-500 runs/budget400-speed.json \
+        docs/results/pareto-smollm2/budget400.json smollm2-135m sd79s400 h4c83s400
     ;;
 esac

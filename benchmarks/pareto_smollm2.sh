@@ -17,7 +17,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-
 mkdir -p runs
 # (the recipe as of session 6: no self-generated text, LoRA lr 2e-4; later recipes changed both)
 COMMON=(--recipe smollm2-135m-cpu --data "$DATA_DIR/corpus" --shuffle-documents --checkpoint-every 50
-        --eval-max-tokens 16384 --self-generated 0 --lora-lr 2e-4 --json)
+        --eval-max-tokens 16384 --self-generated 0 --lora-lr 2e-4 --drop-layers 0 --json)
 # the quality levers the ablation chose (docs/results/pareto-smollm2/ablation.md) + joint LoRA
 LEVERS=(--standin trained --distill 0.5 --lora-joint --steps "$STEPS")
 

@@ -89,3 +89,23 @@ def test_sparsity_flag_replaces_the_recipe_cost_target():
 def test_sparsity_and_cost_target_flags_together_are_refused():
     with pytest.raises(ConfigError, match=r"--sparsity 0.5 and --cost-target 0.6 both given"):
         resolve_settings(None, None, {"sparsity": 0.5, "cost_target": 0.6})
+
+
+def test_a_method_flag_without_layer_drop_clears_the_recipe_drop_layers():
+    # A recipe may describe a hybrid (layers dropped + routed width); `--method static-depth` or
+    # `static-width` on the command line asks for another method, for which the recipe's layer
+    # count means nothing: it is cleared instead of refused. `--drop-layers` given with such a
+    # method is still an error (the user said both).
+    base = resolve_settings(None, "smollm2-135m-cpu", {})
+    recipe = base.replace("routing", drop_layers=3)
+    from unittest import mock
+
+    with mock.patch("wide_cli.pipeline.settings.load_recipe", return_value=recipe):
+        for method in ("static-depth", "static-width"):
+            s = resolve_settings(None, "smollm2-135m-cpu", {"method": method})
+            assert s.routing.method == method and s.routing.drop_layers == 0
+        s = resolve_settings(None, "smollm2-135m-cpu", {"method": "dynamic-depth"})
+        assert s.routing.drop_layers == 3
+        assert resolve_settings(None, "smollm2-135m-cpu", {}).routing.drop_layers == 3
+        with pytest.raises(ConfigError, match="drop-layers 2 applies to --method wide or dynamic-depth"):
+            resolve_settings(None, "smollm2-135m-cpu", {"method": "static-depth", "drop_layers": 2})

@@ -126,7 +126,8 @@ FreezeRouters = Annotated[bool | None, typer.Option("--freeze-routers/--train-ro
 
 def resolve_settings(model: str | None, recipe: str | None, flags: dict):
     """Defaults <- recipe <- flags. ``flags`` maps parameter names of FLAG_FIELDS to values
-    (None = not given). A sparsity flag clears the recipe's cost target. Returns Settings.
+    (None = not given). A sparsity flag clears the recipe's cost target; ``--method static-depth``
+    or ``static-width`` clears its ``drop_layers``. Returns Settings.
 
     Raises:
         ConfigError: bad values, or a sparsity flag and ``--cost-target`` given together.
@@ -146,6 +147,11 @@ def resolve_settings(model: str | None, recipe: str | None, flags: dict):
                           "unweighted fraction of skipped groups")
     if given:
         settings = settings.replace("routing", cost_target=None)
+    # A recipe can describe a hybrid (layers dropped, width routed in the rest); a command-line
+    # method without layer dropping asks for something else, so the recipe's layer count is
+    # cleared rather than refused. `--drop-layers` on the same command line is still checked.
+    if flags.get("method") in ("static-depth", "static-width") and flags.get("drop_layers") is None:
+        settings = settings.replace("routing", drop_layers=0)
     if model is not None:
         over[("model", "name")] = model
     return apply_overrides(settings, over)
