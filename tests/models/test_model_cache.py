@@ -10,7 +10,9 @@ from wide_cli.models import loader
 
 
 def _entries(parent):
-    return sorted(p.name for p in parent.iterdir())
+    # the lock file beside an entry (`.<name>.lock`) stays by design: deleting it would let a
+    # waiting process and a newcomer hold locks on two different files
+    return sorted(p.name for p in parent.iterdir() if not p.name.endswith(".lock"))
 
 
 def _writer(payload: str):
@@ -55,3 +57,49 @@ def test_an_entry_published_meanwhile_by_another_process(tmp_path):
     loader._build_cache_entry(final, build)
     assert json.loads((final / loader._SOURCE_FILE).read_text())["payload"] in ("ours", "theirs")
     assert _entries(tmp_path) == ["m"]  # no temp or moved-aside copy left behind
+
+
+def _resolve_tiny_in_child(cache: str, log: str, barrier) -> None:
+    """One process of the race below: resolve ``tiny-llama`` in ``cache`` with a slow build that
+    logs itself, then read the entry's config the way every command does."""
+    import os
+    import time
+
+    from transformers import AutoConfig
+
+    from wide_cli.models import tiny
+
+    os.environ["WIDE_CACHE"] = cache
+    real = tiny.tiny_model
+
+    def slow_logged_build(*args, **kwargs):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(1.0)  # longer than the spread of the processes' start after the barrier
+        return real(*args, **kwargs)
+
+    tiny.tiny_model = slow_logged_build
+    barrier.wait()
+    path, _, _ = loader._resolve_tiny("tiny-llama")
+    assert AutoConfig.from_pretrained(path).model_type == "llama"
+
+
+def test_processes_resolving_one_new_entry_build_it_once(tmp_path):
+    # torchrun ranks on a fresh machine all resolve the model at once. Each used to build the
+    # entry and swap its copy in over the others', so a rank reading the config meanwhile found
+    # a directory being moved away ("Unrecognized model ... should have a model_type key").
+    # One process builds under a lock; the others wait for it and use its entry.
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    log = tmp_path / "builds.log"
+    barrier = ctx.Barrier(3)
+    procs = [ctx.Process(target=_resolve_tiny_in_child, args=(str(tmp_path / "cache"), str(log), barrier))
+             for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert len(log.read_text().split()) == 1
+    assert _entries(tmp_path / "cache" / "models") == ["tiny-llama"]

@@ -18,6 +18,7 @@ that export copies unchanged. Converted models live under ``$WIDE_CACHE/models``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -172,22 +173,48 @@ def _read_source_file(d: Path) -> dict | None:
         return None
 
 
-def _build_cache_entry(final: Path, build) -> None:
+def _build_cache_entry(final: Path, build, current=None) -> None:
     """Run ``build(tmp_dir)`` in a temp dir next to ``final``, then publish it atomically
     (``atomic_directory``: a stale entry is replaced only once the new one is complete).
 
-    Another process publishing the same entry meanwhile is fine (both are built from the same
-    source): the last complete one stays, and if the swap itself loses the race, theirs is used.
-    Raises what ``build`` raises; nothing is published then.
+    Processes of one machine that need the same entry at once (torchrun ranks on a fresh cache)
+    take turns on a lock file beside it (``.<name>.lock``, ``fcntl.flock``); ``current(prov)``,
+    given the entry's provenance dict (None when absent or unreadable), says whether it is already
+    what the caller needs, and is asked again once the lock is held, so the first process builds
+    and the others use its entry instead of swapping their own copy in while it is being read.
+    A process without the lock (another host on a shared file system, an older wide) publishing
+    the same entry meanwhile is fine too: the last complete one stays, and if the swap itself
+    loses the race, theirs is used. Raises what ``build`` raises; nothing is published then.
     """
-    built = False
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _entry_lock(final):
+        if current is not None and current(_read_source_file(final)):
+            return
+        built = False
+        try:
+            with atomic_directory(final) as tmp:
+                build(tmp)
+                built = True
+        except OSError:
+            if not built or not (final / _SOURCE_FILE).exists():  # a failed build, not a lost race
+                raise
+
+
+@contextlib.contextmanager
+def _entry_lock(final: Path):
+    """Exclusive advisory lock on ``.<final name>.lock`` beside ``final`` while the block runs
+    (released by the kernel if the process dies). Without ``fcntl`` (not POSIX) it does nothing."""
     try:
-        with atomic_directory(final) as tmp:
-            build(tmp)
-            built = True
-    except OSError:
-        if not built or not (final / _SOURCE_FILE).exists():  # a failed build, not a lost race
-            raise
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(final.parent / f".{final.name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _sha256(path: Path) -> str:
@@ -202,8 +229,9 @@ def _sha256(path: Path) -> str:
 # sources
 
 
-def _convert_gguf(gguf: Path, final: Path, provenance: dict) -> None:
-    """Dequantize a GGUF checkpoint to a plain fp32 safetensors HF model dir at ``final``."""
+def _convert_gguf(gguf: Path, final: Path, provenance: dict, current=None) -> None:
+    """Dequantize a GGUF checkpoint to a plain fp32 safetensors HF model dir at ``final``
+    (unless ``current``, see ``_build_cache_entry``, accepts what another process built meanwhile)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def build(tmp: Path) -> None:
@@ -231,7 +259,7 @@ def _convert_gguf(gguf: Path, final: Path, provenance: dict) -> None:
         (tmp / _SOURCE_FILE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
         logger.info("converted %s in %.1f s", gguf.name, time.perf_counter() - t0)
 
-    _build_cache_entry(final, build)
+    _build_cache_entry(final, build, current)
 
 
 def _smollm2_gguf() -> tuple[Path, str]:
@@ -255,20 +283,24 @@ def _smollm2_gguf() -> tuple[Path, str]:
 def _resolve_smollm2() -> tuple[Path, str, str]:
     gguf, version = _smollm2_gguf()
     final = cache_root() / "models" / "smollm2-135m"
-    prov = _read_source_file(final)
-    if prov is None or prov.get("package_version") != version or not (final / "config.json").exists():
+    def current(prov: dict | None) -> bool:
+        return prov is not None and prov.get("package_version") == version and (final / "config.json").exists()
+
+    if not current(_read_source_file(final)):
         _convert_gguf(gguf, final, {"alias": "smollm2-135m", "package": SMOLLM2_PACKAGE,
                                     "package_version": version, "gguf_file": gguf.name,
-                                    "gguf_sha256": _sha256(gguf)})
+                                    "gguf_sha256": _sha256(gguf)}, current)
     return final, f"smollm2-135m (GGUF from {SMOLLM2_PACKAGE} {version})", version
 
 
 def _resolve_gguf(path: Path) -> tuple[Path, str, str]:
     digest = _sha256(path)
     final = cache_root() / "models" / f"gguf-{digest[:16]}"
-    prov = _read_source_file(final)
-    if prov is None or prov.get("gguf_sha256") != digest or not (final / "config.json").exists():
-        _convert_gguf(path, final, {"gguf_file": path.name, "gguf_sha256": digest})
+    def current(prov: dict | None) -> bool:
+        return prov is not None and prov.get("gguf_sha256") == digest and (final / "config.json").exists()
+
+    if not current(_read_source_file(final)):
+        _convert_gguf(path, final, {"gguf_file": path.name, "gguf_sha256": digest}, current)
     return final, f"{path.name} (GGUF sha256 {digest[:12]})", digest[:12]
 
 
@@ -286,15 +318,17 @@ def _resolve_tiny(alias: str) -> tuple[Path, str, None]:
     kind, overrides = _TINY[alias]
     final = cache_root() / "models" / alias
     fp = _tiny_fingerprint(alias)
-    prov = _read_source_file(final)
-    if prov is None or prov.get("fingerprint") != fp:
+    def current(prov: dict | None) -> bool:
+        return prov is not None and prov.get("fingerprint") == fp
+
+    if not current(_read_source_file(final)):
 
         def build(tmp: Path) -> None:
             tiny_model(kind, seed=_TINY_SEED, **overrides).save_pretrained(tmp)
             char_tokenizer(with_pad=False).save_pretrained(tmp)
             (tmp / _SOURCE_FILE).write_text(json.dumps({"alias": alias, "seed": _TINY_SEED, "fingerprint": fp}))
 
-        _build_cache_entry(final, build)
+        _build_cache_entry(final, build, current)
     return final, f"{alias} (random seeded tiny {kind})", None
 
 
