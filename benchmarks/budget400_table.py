@@ -36,7 +36,8 @@ for run in runs:
         rep = json.loads(report.read_text())
         row |= {"cost_target": rep["cost"]["target"], "heldout_ppl": rep["eval"]["pruned"]["perplexity"],
                 "heldout_dense_ppl": rep["eval"]["dense"]["perplexity"], "train_steps": rep["train"]["steps"],
-                "train_tokens": rep["train"]["tokens"], "train_seconds": rep["train"]["seconds"]}
+                "train_tokens": rep["train"]["tokens"], "train_seconds": rep["train"]["seconds"],
+                "drop_layers": rep["settings"]["routing"]["drop_layers"]}
     else:
         row["cost_target"] = None
     s = speed.get(target)
@@ -44,10 +45,12 @@ for run in runs:
         row |= {k: s[k] for k in ("decode_speedup", "prefill_speedup", "decode_tokens_per_s", "prefill_tokens_per_s",
                                   "decode_seconds")}
     rows.append(row)
+dense_heldout = next((r["heldout_dense_ppl"] for r in rows if "heldout_dense_ppl" in r), float("nan"))
 Path(out_path).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
 print("| run | method | WikiText-2 ppl | task avg % | held-out ppl | FLOPs | decode x | prefill x |")
 print("|---|---|---|---|---|---|---|---|")
 for r in rows:
-    print(f"| {r['name']} | {r['method']} | {r['wikitext_ppl']:.2f} | {100 * r['task_avg']:.2f} | "
-          f"{r.get('heldout_ppl', r.get('heldout_dense_ppl', float('nan'))):.2f} | {r['flops']:.3f} | "
+    method = r["method"] + (f" + {r['drop_layers']} layers dropped" if r.get("drop_layers") else "")
+    print(f"| {r['name']} | {method} | {r['wikitext_ppl']:.2f} | {100 * r['task_avg']:.2f} | "
+          f"{r.get('heldout_ppl', dense_heldout):.2f} | {r['flops']:.3f} | "
           f"{r.get('decode_speedup', float('nan')):.2f} | {r.get('prefill_speedup', float('nan')):.2f} |")
