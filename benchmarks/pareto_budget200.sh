@@ -32,6 +32,20 @@ prune() {  # $1 = run name, rest = flags
       > "runs/$name.json"
 }
 
+quality() {  # $1 = --limit (tasks; WikiText-2 pages too), $2 = cache dir, rest = targets, one process each
+  local limit=$1 cache=$2; shift 2
+  for t in "$@"; do
+    $PY - "$t" "$DATA_DIR" "$limit" "$cache" <<'EOF'
+import sys
+from pathlib import Path
+from wide_cli.eval.run import evaluate_targets
+tasks = "wikitext,arc_easy,arc_challenge,piqa,hellaswag,boolq,winogrande,openbookqa".split(",")
+evaluate_targets([sys.argv[1]], tasks=tasks, data_dir=Path(sys.argv[2]), limit=int(sys.argv[3]), seq_len=256,
+                 batch_size=4, dtype="bf16", device="cpu", cache_dir=Path(sys.argv[4]), wikitext_protocols=("token",))
+EOF
+  done
+}
+
 case $QUEUE in
   a)
     prune w200 --method wide --cost-target 0.79 "${LEVERS[@]}" --lora-lr 2e-4
@@ -58,17 +72,9 @@ case $QUEUE in
     ;;
   eval)
     # quality: the same code path and settings as `wide compare` (token-level WikiText-2, 7 tasks)
-    for t in smollm2-135m runs/w200lr/export runs/w200/export runs/sd200/export runs/h4-200lr/export \
-             runs/sd200lrfix/export runs/h4c83lr/export runs/sd71lr/export runs/h4c71lr/export runs/sd68lr/export; do
-      $PY - "$t" "$DATA_DIR" <<'EOF'
-import sys
-from pathlib import Path
-from wide_cli.eval.run import evaluate_targets
-tasks = "wikitext,arc_easy,arc_challenge,piqa,hellaswag,boolq,winogrande,openbookqa".split(",")
-evaluate_targets([sys.argv[1]], tasks=tasks, data_dir=Path(sys.argv[2]), limit=32, seq_len=256, batch_size=4,
-                 dtype="bf16", device="cpu", cache_dir=Path("runs/eval-cache"), wikitext_protocols=("token",))
-EOF
-    done
+    quality 32 runs/eval-cache smollm2-135m runs/w200lr/export runs/w200/export runs/sd200/export \
+        runs/h4-200lr/export runs/sd200lrfix/export runs/h4c83lr/export runs/sd71lr/export runs/h4c71lr/export \
+        runs/sd68lr/export
     # speed: decode batch 1 (64 tokens after a 64-token prompt) and prefill 1024, fp32, 1 thread,
     # round-robin, 1 warm-up + 3 rounds, median, against dense in the same rounds
     # (session 8 timed the static-depth row on the session-6 export with the same 8 layers removed)
@@ -82,18 +88,9 @@ EOF
   eval400)
     # session 10: the issue's full quality protocol on the 400-step pair and dense: all 62 pages of
     # WikiText-2 test (256-token windows) and the seven tasks at --limit 500, bf16, one model per
-    # process (two processes side by side, one thread each); then speed with the demo-recipe export
+    # process (session 10 ran them two at a time, one thread each); then speed with the demo-recipe export
     # (`make demo`'s recipe as of session 10, run as runs/demo-h4), 7 rounds; then the table
-    for t in smollm2-135m runs/sd79s400/export runs/h4c83s400/export; do
-      $PY - "$t" "$DATA_DIR" <<'EOF'
-import sys
-from pathlib import Path
-from wide_cli.eval.run import evaluate_targets
-tasks = "wikitext,arc_easy,arc_challenge,piqa,hellaswag,boolq,winogrande,openbookqa".split(",")
-evaluate_targets([sys.argv[1]], tasks=tasks, data_dir=Path(sys.argv[2]), limit=500, seq_len=256, batch_size=4,
-                 dtype="bf16", device="cpu", cache_dir=Path("runs/eval-cache-500"), wikitext_protocols=("token",))
-EOF
-    done
+    quality 500 runs/eval-cache-500 smollm2-135m runs/sd79s400/export runs/h4c83s400/export
     $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget400-targets.json runs/budget400-speed.json --repeats 7
     $PY benchmarks/budget400_table.py runs/eval-cache-500 runs/budget400-speed.json \
         docs/results/pareto-smollm2/budget400.json smollm2-135m sd79s400 h4c83s400
