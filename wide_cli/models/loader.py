@@ -283,6 +283,7 @@ def _smollm2_gguf() -> tuple[Path, str]:
 def _resolve_smollm2() -> tuple[Path, str, str]:
     gguf, version = _smollm2_gguf()
     final = cache_root() / "models" / "smollm2-135m"
+
     def current(prov: dict | None) -> bool:
         return prov is not None and prov.get("package_version") == version and (final / "config.json").exists()
 
@@ -296,6 +297,7 @@ def _resolve_smollm2() -> tuple[Path, str, str]:
 def _resolve_gguf(path: Path) -> tuple[Path, str, str]:
     digest = _sha256(path)
     final = cache_root() / "models" / f"gguf-{digest[:16]}"
+
     def current(prov: dict | None) -> bool:
         return prov is not None and prov.get("gguf_sha256") == digest and (final / "config.json").exists()
 
@@ -318,6 +320,7 @@ def _resolve_tiny(alias: str) -> tuple[Path, str, None]:
     kind, overrides = _TINY[alias]
     final = cache_root() / "models" / alias
     fp = _tiny_fingerprint(alias)
+
     def current(prov: dict | None) -> bool:
         return prov is not None and prov.get("fingerprint") == fp
 
