@@ -7,7 +7,9 @@
 # Results: docs/results/pareto-smollm2/budget200.md. Hours on a 2-core CPU: a benchmark, not a test.
 # QUEUE=a|b (session 8), c|d (session 9) and e|f (session 10, STEPS=400) run the training jobs (two
 # queues side by side, one thread each); QUEUE=eval (200 steps) and QUEUE=eval400 (400 steps)
-# evaluate and measure speed.
+# evaluate and measure speed. Session 11: QUEUE=g|h train the ~1.2x pair at 400 steps, QUEUE=u
+# builds and evaluates the untrained baselines (static depth without healing, static width) at both
+# cost points, QUEUE=eval12 evaluates the pair and measures speed of everything session 11 built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WIDE=${WIDE:-.venv/bin/wide}
@@ -70,6 +72,21 @@ case $QUEUE in
   f)  # session 10: healed static depth (8 layers) at the same 400-step budget
     prune sd79s400 --method static-depth --cost-target 0.79 --lora --lora-steps "$STEPS" --lora-lr 1e-3 --distill 0.5
     ;;
+  g)  # session 11: the hybrid at ~1.2x (3 layers + width to 0.87), 400 steps
+    prune h3c87s400 --method wide --drop-layers 3 --cost-target 0.87 "${LEVERS[@]}" --lora-lr 1e-3
+    ;;
+  h)  # session 11: healed static depth at ~1.2x (cost 0.87: 5 layers), 400 steps
+    prune sd87s400 --method static-depth --cost-target 0.87 --lora --lora-steps "$STEPS" --lora-lr 1e-3 --distill 0.5
+    ;;
+  u)  # session 11: the untrained baselines at both cost points (no transcripts: nothing is trained)
+    prune sd79 --method static-depth --cost-target 0.79 --self-generated 0
+    prune sd87 --method static-depth --cost-target 0.87 --self-generated 0
+    prune sw29 --method static-width --sparsity 0.29 --self-generated 0
+    prune sw18 --method static-width --sparsity 0.18 --self-generated 0
+    # session 11 evaluated sd79 only: sd87, sw29 and sw18 were built and timed but not evaluated
+    # (no CPU time left); add them here to do so
+    quality 500 runs/eval-cache-500 runs/sd79/export
+    ;;
   eval)
     # quality: the same code path and settings as `wide compare` (token-level WikiText-2, 7 tasks)
     quality 32 runs/eval-cache smollm2-135m runs/w200lr/export runs/w200/export runs/sd200/export \
@@ -94,5 +111,13 @@ case $QUEUE in
     $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget400-targets.json runs/budget400-speed.json --repeats 7
     $PY benchmarks/budget400_table.py runs/eval-cache-500 runs/budget400-speed.json \
         docs/results/pareto-smollm2/budget400.json smollm2-135m sd79s400 h4c83s400
+    ;;
+  eval12)
+    # session 11: the ~1.2x pair with the same protocol, then speed of dense and every model
+    # session 11 built (its ~1.35x rows come from eval400's run), 7 rounds; then the table
+    quality 500 runs/eval-cache-500 runs/h3c87s400/export runs/sd87s400/export
+    $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget400b-targets.json runs/budget400b-speed.json --repeats 7
+    $PY benchmarks/budget400_table.py runs/eval-cache-500 runs/budget400b-speed.json \
+        docs/results/pareto-smollm2/budget400b.json sd87s400 h3c87s400 sd79
     ;;
 esac
