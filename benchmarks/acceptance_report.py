@@ -2,7 +2,8 @@
 method) and protocol (WikiText-2 test, all 62 pages, 256-token windows; the seven tasks at
 --limit 500; bf16), collected from the two 400-step runs in docs/results/pareto-smollm2/:
 budget400.json (session 10, the ~1.35x pair and dense) and budget400b.json (session 11, the ~1.2x
-pair and the untrained baselines at both cost points), each written by budget400_table.py.
+pair and the untrained baselines at both cost points) and budget400c.json (session 12: dynamic depth
+at both cost points, and a quiet re-time of session 11's models), each written by budget400_table.py.
 
 Writes docs/results/pareto-smollm2/acceptance/report.json (one row per (method, cost point) with
 the issue's keys: method, cost_target, wikitext_ppl, task_avg, flops, decode_speedup,
@@ -33,10 +34,15 @@ ROWS = {
     "sd79s400": ("~1.35x", "static depth, 8 layers removed + LoRA healing", True),
     "sw29": ("~1.35x", "static width s 0.29, no training", False),
     "h4c83s400": ("~1.35x", "wide: 4 layers removed + width routed to 0.83", True),
+    "dd87s400": ("~1.2x", "dynamic depth: whole attention / FFN modules skipped per token, routed to 0.87", True),
+    "dd79s400": ("~1.35x", "dynamic depth: whole attention / FFN modules skipped per token, routed to 0.79", True),
 }
 SPARSITY_TARGETS = {"sw18": 0.18, "sw29": 0.29}  # static width is asked for a sparsity, not a cost
 SPEED_TWINS = {"sd79": "sd79s400"}  # timed once: the healed export has the same layers and shapes
-SOURCES = {"budget400.json": "session 10", "budget400b.json": "session 11"}
+# the first file naming a run wins: session 12 re-timed session 11's ~1.2x pair on a quiet machine
+SOURCES = {"budget400c.json": "session 12", "budget400.json": "session 10", "budget400b.json": "session 11"}
+# the speed runs the not-evaluated rows are looked up in, newest first
+UNEVALUATED_SPEED = {"budget400c-speed.json": "session 12", "budget400b-speed.json": "session 11"}
 
 
 def load() -> list[dict]:
@@ -79,15 +85,18 @@ def unevaluated(rows: list[dict]) -> list[dict]:
     session 11): quality columns None; their `wide prune` report (prune400/NAME.json) gives FLOPs,
     measured sparsity and held-out corpus perplexity (a different held-out split from the trained
     rows': those packed 160 chat transcripts with the corpus)."""
-    speed_path = HERE / "budget400b-speed.json"
-    speed = {r["name"]: r for r in json.loads(speed_path.read_text())["rows"]} if speed_path.is_file() else {}
+    speed: dict[str, tuple[dict, str]] = {}
+    for src, session in reversed(UNEVALUATED_SPEED.items()):  # newer runs overwrite older ones
+        path = HERE / src
+        if path.is_file():
+            speed |= {r["name"]: (r, f"{src} ({session})") for r in json.loads(path.read_text())["rows"]}
     out = []
     for name, (point, label, lora) in ROWS.items():
         report = HERE / "prune400" / f"{name}.json"
         if any(r["name"] == name for r in rows) or not report.is_file():
             continue
         rep = json.loads(report.read_text())
-        s = speed.get(f"runs/{name}/export", {})
+        s, speed_run = speed.get(f"runs/{name}/export", ({}, None))
         method = rep["settings"]["routing"]["method"]
         out.append({
             "name": name, "label": label + " (not evaluated)", "cost_point": point, "method": method,
@@ -98,7 +107,7 @@ def unevaluated(rows: list[dict]) -> list[dict]:
             "prefill_tokens_per_s": s.get("prefill_tokens_per_s"),
             "heldout_ppl": rep["eval"]["pruned"]["perplexity"], "heldout_dense_ppl": rep["eval"]["dense"]["perplexity"],
             "train_steps": 0, "train_tokens": 0, "train_seconds": None, "wikitext_pages": None, "task_limit": None,
-            "speed_run": "budget400b-speed.json (session 11)",
+            "speed_run": speed_run,
         })
     return out
 

@@ -10,6 +10,8 @@
 # evaluate and measure speed. Session 11: QUEUE=g|h train the ~1.2x pair at 400 steps, QUEUE=u
 # builds and evaluates the untrained baselines (static depth without healing, static width) at both
 # cost points, QUEUE=eval12 evaluates the pair and measures speed of everything session 11 built.
+# Session 12: QUEUE=i|j train dynamic depth at both cost points (400 steps), QUEUE=eval13 evaluates
+# them and measures their speed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WIDE=${WIDE:-.venv/bin/wide}
@@ -48,6 +50,15 @@ EOF
   done
 }
 
+table400c() {  # session 12's rows (a row is left out until its quality is in the cache)
+  local runs=(dd87s400 dd79s400 sd87s400 h3c87s400 sd79)
+  for r in sd87 sw29 sw18; do
+    [ -n "$(grep -l "\"runs/$r/export\"" runs/eval-cache-500/*.json 2>/dev/null)" ] && runs+=("$r")
+  done
+  $PY benchmarks/budget400_table.py runs/eval-cache-500 runs/budget400c-speed.json \
+      docs/results/pareto-smollm2/budget400c.json "${runs[@]}"
+}
+
 case $QUEUE in
   a)
     prune w200 --method wide --cost-target 0.79 "${LEVERS[@]}" --lora-lr 2e-4
@@ -77,6 +88,13 @@ case $QUEUE in
     ;;
   h)  # session 11: healed static depth at ~1.2x (cost 0.87: 5 layers), 400 steps
     prune sd87s400 --method static-depth --cost-target 0.87 --lora --lora-steps "$STEPS" --lora-lr 1e-3 --distill 0.5
+    ;;
+  i)  # session 12: dynamic depth (a router per layer skips the whole attention / FFN module per
+      # token) with wide's levers at ~1.2x, 400 steps
+    prune dd87s400 --method dynamic-depth --cost-target 0.87 "${LEVERS[@]}" --lora-lr 1e-3
+    ;;
+  j)  # session 12: dynamic depth at ~1.35x, 400 steps
+    prune dd79s400 --method dynamic-depth --cost-target 0.79 "${LEVERS[@]}" --lora-lr 1e-3
     ;;
   u)  # session 11: the untrained baselines at both cost points (no transcripts: nothing is trained)
     prune sd79 --method static-depth --cost-target 0.79 --self-generated 0
@@ -119,5 +137,21 @@ case $QUEUE in
     $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget400b-targets.json runs/budget400b-speed.json --repeats 7
     $PY benchmarks/budget400_table.py runs/eval-cache-500 runs/budget400b-speed.json \
         docs/results/pareto-smollm2/budget400b.json sd87s400 h3c87s400 sd79
+    ;;
+  uq)  # session 12: quality of the untrained rows session 11 built and timed but did not evaluate
+    quality 500 runs/eval-cache-500 runs/sd87/export runs/sw29/export runs/sw18/export
+    ;;
+  eval13)
+    # session 12: dynamic depth's two models with the same protocol (two processes side by side, one
+    # thread each), then, on a quiet machine, speed of dense, dynamic depth and everything session 11
+    # built (a quiet re-time: session 11's run shared the machine with an evaluation), 7 rounds
+    quality 500 runs/eval-cache-500 runs/dd87s400/export &
+    quality 500 runs/eval-cache-500 runs/dd79s400/export
+    wait
+    $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget400c-targets.json runs/budget400c-speed.json --repeats 7
+    table400c
+    ;;
+  table400c)
+    table400c
     ;;
 esac
