@@ -53,7 +53,7 @@ EOF
 table400c() {  # session 12's rows (a row is left out until its quality is in the cache)
   local runs=(dd87s400 dd79s400 sd87s400 h3c87s400 sd79)
   for r in sd87 sw29 sw18; do
-    [ -n "$(grep -l "\"runs/$r/export\"" runs/eval-cache-500/*.json 2>/dev/null)" ] && runs+=("$r")
+    if grep -qs "\"runs/$r/export\"" runs/eval-cache-500/*.json; then runs+=("$r"); fi
   done
   $PY benchmarks/budget400_table.py runs/eval-cache-500 runs/budget400c-speed.json \
       docs/results/pareto-smollm2/budget400c.json "${runs[@]}"
