@@ -2,8 +2,10 @@
 method) and protocol (WikiText-2 test, all 62 pages, 256-token windows; the seven tasks at
 --limit 500; bf16), collected from the two 400-step runs in docs/results/pareto-smollm2/:
 budget400.json (session 10, the ~1.35x pair and dense) and budget400b.json (session 11, the ~1.2x
-pair and the untrained baselines at both cost points) and budget400c.json (session 12: dynamic depth
-at both cost points, and a quiet re-time of session 11's models), each written by budget400_table.py.
+pair and the untrained baselines at both cost points), budget400c.json (session 12: dynamic depth
+at both cost points, and a quiet re-time of session 11's models) and budget400d.json (session 13:
+dynamic depth at 0.72, the untrained rows' quality, and one speed run of every model on disk), each
+written by budget400_table.py.
 
 Writes docs/results/pareto-smollm2/acceptance/report.json (one row per (method, cost point) with
 the issue's keys: method, cost_target, wikitext_ppl, task_avg, flops, decode_speedup,
@@ -36,13 +38,15 @@ ROWS = {
     "h4c83s400": ("~1.35x", "wide: 4 layers removed + width routed to 0.83", True),
     "dd87s400": ("~1.2x", "dynamic depth: whole attention / FFN modules skipped per token, routed to 0.87", True),
     "dd79s400": ("~1.35x", "dynamic depth: whole attention / FFN modules skipped per token, routed to 0.79", True),
+    "dd72s400": ("~1.35x", "dynamic depth: whole attention / FFN modules skipped per token, routed to 0.72", True),
 }
 SPARSITY_TARGETS = {"sw18": 0.18, "sw29": 0.29}  # static width is asked for a sparsity, not a cost
 SPEED_TWINS = {"sd79": "sd79s400"}  # timed once: the healed export has the same layers and shapes
-# the first file naming a run wins: session 12 re-timed session 11's ~1.2x pair on a quiet machine
-SOURCES = {"budget400c.json": "session 12", "budget400.json": "session 10", "budget400b.json": "session 11"}
+# the first file naming a run wins: session 13 timed every model still on disk in one quiet run
+# (session 10's ~1.35x pair was no longer on disk), session 12 re-timed session 11's ~1.2x pair
+SOURCES = {"budget400d.json": "session 13", "budget400c.json": "session 12", "budget400.json": "session 10", "budget400b.json": "session 11"}
 # the speed runs the not-evaluated rows are looked up in, newest first
-UNEVALUATED_SPEED = {"budget400c-speed.json": "session 12", "budget400b-speed.json": "session 11"}
+UNEVALUATED_SPEED = {"budget400d-speed.json": "session 13", "budget400c-speed.json": "session 12", "budget400b-speed.json": "session 11"}
 
 
 def load() -> list[dict]:

@@ -11,7 +11,9 @@
 # builds and evaluates the untrained baselines (static depth without healing, static width) at both
 # cost points, QUEUE=eval12 evaluates the pair and measures speed of everything session 11 built.
 # Session 12: QUEUE=i|j train dynamic depth at both cost points (400 steps), QUEUE=eval13 evaluates
-# them and measures their speed.
+# them and measures their speed. Session 13: QUEUE=k trains and evaluates dynamic depth at 0.72,
+# QUEUE=uq evaluates the untrained rows, QUEUE=eval14 times dense and every export on disk in one
+# quiet run and writes the table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WIDE=${WIDE:-.venv/bin/wide}
@@ -59,6 +61,15 @@ table400c() {  # session 12's rows (a row is left out until its quality is in th
       docs/results/pareto-smollm2/budget400c.json "${runs[@]}"
 }
 
+table400d() {  # session 13's rows: dense and every model on disk whose quality is in the cache
+  local runs=(smollm2-135m)
+  for r in dd72s400 dd79s400 dd87s400 h3c87s400 sd87s400 sd87 sd79 sw18 sw29; do
+    if grep -qs "\"runs/$r/export\"" runs/eval-cache-500/*.json; then runs+=("$r"); fi
+  done
+  $PY benchmarks/budget400_table.py runs/eval-cache-500 runs/budget400d-speed.json \
+      docs/results/pareto-smollm2/budget400d.json "${runs[@]}"
+}
+
 case $QUEUE in
   a)
     prune w200 --method wide --cost-target 0.79 "${LEVERS[@]}" --lora-lr 2e-4
@@ -95,6 +106,11 @@ case $QUEUE in
     ;;
   j)  # session 12: dynamic depth at ~1.35x, 400 steps
     prune dd79s400 --method dynamic-depth --cost-target 0.79 "${LEVERS[@]}" --lora-lr 1e-3
+    ;;
+  k)  # session 13: dynamic depth asked for 0.79 measured 1.24x, short of the ~1.35x point; 0.72
+      # aims at it (its decode gain has tracked 1/FLOPs), 400 steps, then its quality
+    prune dd72s400 --method dynamic-depth --cost-target 0.72 "${LEVERS[@]}" --lora-lr 1e-3
+    quality 500 runs/eval-cache-500 runs/dd72s400/export
     ;;
   u)  # session 11: the untrained baselines at both cost points (no transcripts: nothing is trained)
     prune sd79 --method static-depth --cost-target 0.79 --self-generated 0
@@ -139,7 +155,7 @@ case $QUEUE in
         docs/results/pareto-smollm2/budget400b.json sd87s400 h3c87s400 sd79
     ;;
   uq)  # session 12: quality of the untrained rows session 11 built and timed but did not evaluate
-    quality 500 runs/eval-cache-500 runs/sd87/export runs/sw29/export runs/sw18/export
+    quality 500 runs/eval-cache-500 runs/sw29/export runs/sw18/export runs/sd87/export
     ;;
   eval13)
     # session 12: dynamic depth's two models with the same protocol (two processes side by side, one
@@ -153,5 +169,14 @@ case $QUEUE in
     ;;
   table400c)
     table400c
+    ;;
+  eval14)
+    # session 13: speed of dense and every 400-step and untrained export on disk (session 10's ~1.35x
+    # pair is gone: its numbers stay in budget400.json), 7 rounds, on a quiet machine; then the table
+    $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget400d-targets.json runs/budget400d-speed.json --repeats 7
+    table400d
+    ;;
+  table400d)
+    table400d
     ;;
 esac
