@@ -13,7 +13,8 @@
 # Session 12: QUEUE=i|j train dynamic depth at both cost points (400 steps), QUEUE=eval13 evaluates
 # them and measures their speed. Session 13: QUEUE=k trains and evaluates dynamic depth at 0.72,
 # QUEUE=uq evaluates the untrained rows, QUEUE=eval14 times dense and every export on disk in one
-# quiet run and writes the table.
+# quiet run and writes the table. Session 14: QUEUE=l|m train the ~1.35x pair again with seed 1;
+# QUEUE=eval15 evaluates and times them against dense in one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WIDE=${WIDE:-.venv/bin/wide}
@@ -42,10 +43,11 @@ quality() {  # $1 = --limit (tasks; WikiText-2 pages too), $2 = cache dir, rest 
   local limit=$1 cache=$2; shift 2
   for t in "$@"; do
     $PY - "$t" "$DATA_DIR" "$limit" "$cache" <<'EOF'
+import os
 import sys
 from pathlib import Path
 from wide_cli.eval.run import evaluate_targets
-tasks = "wikitext,arc_easy,arc_challenge,piqa,hellaswag,boolq,winogrande,openbookqa".split(",")
+tasks = os.environ.get("QUALITY_TASKS", "wikitext,arc_easy,arc_challenge,piqa,hellaswag,boolq,winogrande,openbookqa").split(",")
 evaluate_targets([sys.argv[1]], tasks=tasks, data_dir=Path(sys.argv[2]), limit=int(sys.argv[3]), seq_len=256,
                  batch_size=4, dtype="bf16", device="cpu", cache_dir=Path(sys.argv[4]), wikitext_protocols=("token",))
 EOF
@@ -62,7 +64,7 @@ table400c() {  # session 12's rows (a row is left out until its quality is in th
 }
 
 table400d() {  # session 13's rows: dense and every model on disk whose quality is in the cache
-  local runs=(smollm2-135m)
+  local runs=()  # dense: its quality is in budget400.json (session 10), its speed is the 1.00 baseline
   for r in dd72s400 dd79s400 dd87s400 h3c87s400 sd87s400 sd87 sd79 sw18 sw29; do
     if grep -qs "\"runs/$r/export\"" runs/eval-cache-500/*.json; then runs+=("$r"); fi
   done
@@ -111,6 +113,13 @@ case $QUEUE in
       # aims at it (its decode gain has tracked 1/FLOPs), 400 steps, then its quality
     prune dd72s400 --method dynamic-depth --cost-target 0.72 "${LEVERS[@]}" --lora-lr 1e-3
     quality 500 runs/eval-cache-500 runs/dd72s400/export
+    ;;
+  l)  # session 14: the ~1.35x hybrid again with seed 1 (session 10's seed-0 export is gone, so it
+      # could not be re-timed; a second seed also shows how far one run's perplexity moves)
+    prune h4c83s400r1 --method wide --drop-layers 4 --cost-target 0.83 "${LEVERS[@]}" --lora-lr 1e-3 --seed 1
+    ;;
+  m)  # session 14: healed static depth (8 layers) at ~1.35x with seed 1, the hybrid's pair
+    prune sd79s400r1 --method static-depth --cost-target 0.79 --lora --lora-steps "$STEPS" --lora-lr 1e-3 --distill 0.5 --seed 1
     ;;
   u)  # session 11: the untrained baselines at both cost points (no transcripts: nothing is trained)
     prune sd79 --method static-depth --cost-target 0.79 --self-generated 0
@@ -178,5 +187,19 @@ case $QUEUE in
     ;;
   table400d)
     table400d
+    ;;
+  eval15)
+    # session 14: speed of dense, the seed-1 ~1.35x pair and the models nearest them in one quiet run,
+    # 7 rounds; WikiText-2 alone first (minutes; its own cache: the key covers the task list), then
+    # the full protocol, two processes side by side, one thread each; then the table
+    $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget400e-targets.json runs/budget400e-speed.json --repeats 7
+    QUALITY_TASKS=wikitext quality 500 runs/eval-cache-wt runs/h4c83s400r1/export &
+    QUALITY_TASKS=wikitext quality 500 runs/eval-cache-wt runs/sd79s400r1/export
+    wait
+    quality 500 runs/eval-cache-500 runs/h4c83s400r1/export &
+    quality 500 runs/eval-cache-500 runs/sd79s400r1/export
+    wait
+    $PY benchmarks/budget400_table.py runs/eval-cache-500 runs/budget400e-speed.json \
+        docs/results/pareto-smollm2/budget400e.json h4c83s400r1 sd79s400r1 sd79 dd72s400 dd79s400
     ;;
 esac
