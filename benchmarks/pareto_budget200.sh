@@ -14,7 +14,8 @@
 # them and measures their speed. Session 13: QUEUE=k trains and evaluates dynamic depth at 0.72,
 # QUEUE=uq evaluates the untrained rows, QUEUE=eval14 times dense and every export on disk in one
 # quiet run and writes the table. Session 14: QUEUE=l|m train the ~1.35x pair again with seed 1;
-# QUEUE=eval15 evaluates and times them against dense in one run.
+# QUEUE=eval15 scores them on WikiText-2 and times them against dense in one run, QUEUE=q15 runs the
+# full quality protocol on them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WIDE=${WIDE:-.venv/bin/wide}
@@ -189,13 +190,17 @@ case $QUEUE in
     table400d
     ;;
   eval15)
-    # session 14: speed of dense, the seed-1 ~1.35x pair and the models nearest them in one quiet run,
-    # 7 rounds; WikiText-2 alone first (minutes; its own cache: the key covers the task list), then
-    # the full protocol, two processes side by side, one thread each; then the table
-    $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget400e-targets.json runs/budget400e-speed.json --repeats 7
-    QUALITY_TASKS=wikitext quality 500 runs/eval-cache-wt runs/h4c83s400r1/export &
-    QUALITY_TASKS=wikitext quality 500 runs/eval-cache-wt runs/sd79s400r1/export
+    # session 14: WikiText-2 alone for the seed-1 ~1.35x pair (minutes; its own cache, as the key
+    # covers the task list; a model already there is skipped), then, on a quiet machine, speed of
+    # dense, the pair and the models nearest them in one run, 7 rounds
+    QUALITY_TASKS=wikitext quality 500 runs/eval-cache-wt runs/sd79s400r1/export &
+    QUALITY_TASKS=wikitext quality 500 runs/eval-cache-wt runs/h4c83s400r1/export
     wait
+    $PY benchmarks/pareto_speed.py docs/results/pareto-smollm2/budget400e-targets.json runs/budget400e-speed.json --repeats 7
+    ;;
+  q15)
+    # the seed-1 pair under the full protocol (the seven tasks too; ~1 h, two processes side by
+    # side, one thread each), then its table
     quality 500 runs/eval-cache-500 runs/h4c83s400r1/export &
     quality 500 runs/eval-cache-500 runs/sd79s400r1/export
     wait
