@@ -64,7 +64,7 @@ table400c() {  # session 12's rows (a row is left out until its quality is in th
       docs/results/pareto-smollm2/budget400c.json "${runs[@]}"
 }
 
-table400d() {  # session 13's rows: dense and every model on disk whose quality is in the cache
+table400d() {  # session 13's rows: every model on disk whose quality is in the cache
   local runs=()  # dense: its quality is in budget400.json (session 10), its speed is the 1.00 baseline
   for r in dd72s400 dd79s400 dd87s400 h3c87s400 sd87s400 sd87 sd79 sw18 sw29; do
     if grep -qs "\"runs/$r/export\"" runs/eval-cache-500/*.json; then runs+=("$r"); fi
