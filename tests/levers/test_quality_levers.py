@@ -1,4 +1,4 @@
-"""Issue 11's quality levers: cost targets, distillation, stand-ins for skipped groups, the
+"""The quality levers: cost targets, distillation, stand-ins for skipped groups, the
 target warm-up and the skip offset that lands a run on its cost target."""
 
 from __future__ import annotations
