@@ -3,7 +3,8 @@
 Loss (DESIGN.md §1): ``LM cross-entropy + lambda * |s_target - s_hat|`` with hard Gumbel-softmax
 decisions (STE) and a temperature annealed linearly over optimizer steps. With a cost target
 (``RoutingConfig.cost_target``), ``s_hat`` is the cost-weighted skip fraction (``wide_cli.cost``)
-and ``s_target = 1 - cost_target``; with ``TrainConfig.distill`` the LM term mixes in
+and ``s_target`` the one ``RoutingConfig.skip_target`` converts the cost target to at the training
+sequence length (``routing.gumbel.cost_loss``); with ``TrainConfig.distill`` the LM term mixes in
 ``T^2 * KL(dense || routed)``; ``RoutingConfig.sparsity_warmup`` ramps the target up from 0. Checkpoints are
 atomic directories; ``resume=True`` continues bit-for-bit where the last checkpoint stopped.
 """
@@ -22,7 +23,7 @@ import torch
 
 from wide_cli.atomic import atomic_directory, atomic_write_json
 from wide_cli.errors import CheckpointError, TrainingDivergedError
-from wide_cli.routing.gumbel import sparsity_loss, temperature_at
+from wide_cli.routing.gumbel import cost_loss, sparsity_loss, temperature_at
 from wide_cli.train.config import TrainConfig
 from wide_cli.train.data_order import batch_indices
 from wide_cli.train.memory import check_plan, parse_bytes, plan_training
@@ -256,9 +257,8 @@ class _StageRun:
             _log(self.plan.render())
         check_plan(self.plan, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
         self.optimizer = torch.optim.AdamW(param_groups or self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.cost = rcfg.cost_model(state.shape, cfg.seq_len) if rcfg.cost_target is not None and self.modules else None
-        # the target as a fraction of this (possibly layer-pruned, RoutingConfig.drop_layers) model's cost
-        self.routed_target = rcfg.routed_cost_target(state.shape, cfg.seq_len) if self.cost is not None else None
+        # a cost target as the weighted skip fraction of this (possibly layer-pruned) model
+        self.skip_target = rcfg.skip_target(state.shape, cfg.seq_len) if self.modules else None
         self.warm_steps = round(rcfg.sparsity_warmup * cfg.steps)
         self.scheduler = _lr_scheduler(self.optimizer, cfg)
         self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed + 17)  # same on every rank
@@ -309,7 +309,7 @@ class _StageRun:
         self.state.tau = temperature_at(step, self.cfg.steps, *self.taus)
         ramp = min(1.0, (step + 1) / self.warm_steps) if self.warm_steps > 0 else 1.0
         sums = {"loss": 0.0, "lm_loss": 0.0, **{f"s_{m}": 0.0 for m in self.modules}}
-        if self.cost is not None:
+        if self.skip_target is not None:
             sums["cost"] = 0.0
         if self.cfg.distill > 0:
             sums["kl"] = 0.0
@@ -354,11 +354,11 @@ class _StageRun:
         """``|s_target - s_hat|`` of one micro-batch (multiplied by lambda by the caller): the
         cost-weighted skip fraction against the cost target, else the group fractions against the
         sparsity targets; the target ramps with ``sparsity_warmup``."""
-        state = self.state
-        if self.cost is not None and state.records:
-            s_w = self.cost.weighted_skip({(i, m): f for i, m, f in state.records})
+        state, target = self.state, self.skip_target
+        if target is not None and state.records:
+            s_w = target.cost.weighted_skip({(i, m): f for i, m, f in state.records})
             sums["cost"] += (1.0 - s_w.item()) / self.cfg.grad_accum
-            return (ramp * (1.0 - self.routed_target) - s_w).abs()
+            return cost_loss(s_w, ramp * target.skip)
         if s_hat:
             return sparsity_loss(s_hat, {m: t * ramp for m, t in self.targets.items()}, self.rcfg.per_module_targets)
         return out.loss * 0
