@@ -976,12 +976,23 @@ static void gemm_pack(const GemmJob *j, int64_t n0, int64_t nc, void *P) {
     }
     float *p = (float *)P;
     if (nc < GEMM_NR) memset(p, 0, sizeof(float) * K * GEMM_NR);
-    if (j->layout == 0)
-        for (int64_t c = 0; c < nc; c++)
-            for (int64_t k = 0; k < K; k++) p[k * GEMM_NR + c] = gemm_b(j, (n0 + c) * ldb + k);
-    else
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t c = 0; c < nc; c++) p[k * GEMM_NR + c] = gemm_b(j, k * ldb + n0 + c);
+    /* one loop per format and layout, branch-free inside, so the compiler vectorizes them */
+    if (j->bfmt == FMT_BF16) {
+        const uint16_t *B = (const uint16_t *)j->B;
+        if (j->layout == 0)
+            for (int64_t c = 0; c < nc; c++)
+                for (int64_t k = 0; k < K; k++) p[k * GEMM_NR + c] = bf16_to_f32(B[(n0 + c) * ldb + k]);
+        else
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t c = 0; c < nc; c++) p[k * GEMM_NR + c] = bf16_to_f32(B[k * ldb + n0 + c]);
+    } else {
+        const float *B = (const float *)j->B;
+        if (j->layout == 0)
+            for (int64_t c = 0; c < nc; c++)
+                for (int64_t k = 0; k < K; k++) p[k * GEMM_NR + c] = B[(n0 + c) * ldb + k];
+        else
+            for (int64_t k = 0; k < K; k++) memcpy(p + k * GEMM_NR, B + k * ldb + n0, sizeof(float) * nc);
+    }
 }
 
 /* Write one tile row's nc sums s[] to output row i at column n0 (fp32 or bf16, += if accumulate). */
@@ -1108,6 +1119,82 @@ static void gemm_job(void *arg, int64_t part, int64_t parts) {
     free(P);
 }
 
+/* Few rows (batched decode): out[i, n] = dot(A[i], B[n]) over rows-layout B, no packing. The calls
+ * are bound by reading B once; packing a panel would read it twice and write it once. A is fp32
+ * here (widened up front), B fp32 or bf16 (widened on load). Each pair of B rows is read from
+ * memory once and reused from L1 by all M rows, four at a time. */
+#define GEMM_DOT_M 16
+
+static inline float gemm_dot_tail(const GemmJob *j, const float *a, int64_t n, int64_t k0) {
+    float s = 0.f;
+    for (int64_t k = k0; k < j->K; k++) s += a[k] * gemm_b(j, n * j->ldb + k);
+    return s;
+}
+
+#if defined(WIDE_AVX512)
+#define DOT_VW 16
+typedef __m512 dvec;
+static inline dvec dv_zero(void) { return _mm512_setzero_ps(); }
+static inline dvec dv_ld(const float *p) { return _mm512_loadu_ps(p); }
+static inline dvec dv_ldb(const GemmJob *j, int64_t idx) {
+    return j->bfmt == FMT_BF16 ? ld_bf16((const uint16_t *)j->B + idx) : _mm512_loadu_ps((const float *)j->B + idx);
+}
+static inline dvec dv_fma(dvec a, dvec b, dvec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float dv_sum(dvec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(WIDE_AVX2)
+#define DOT_VW 8
+typedef __m256 dvec;
+static inline dvec dv_zero(void) { return _mm256_setzero_ps(); }
+static inline dvec dv_ld(const float *p) { return _mm256_loadu_ps(p); }
+static inline dvec dv_ldb(const GemmJob *j, int64_t idx) {
+    if (j->bfmt != FMT_BF16) return _mm256_loadu_ps((const float *)j->B + idx);
+    __m128i v = _mm_loadu_si128((const __m128i *)((const uint16_t *)j->B + idx));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+static inline dvec dv_fma(dvec a, dvec b, dvec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float dv_sum(dvec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+static void gemm_dot_job(void *arg, int64_t part, int64_t parts) {
+    const GemmJob *j = (const GemmJob *)arg;
+    int64_t lo, hi;
+    split(j->N, part, parts, 2, &lo, &hi);
+    float s[4][2];
+    for (int64_t n = lo; n < hi; n += 2) {
+        const int64_t nn = hi - n < 2 ? 1 : 2, n1 = n + nn - 1; /* a lone last row is computed twice */
+        for (int64_t i0 = 0; i0 < j->M; i0 += 4) {
+            const int64_t mr = j->M - i0 < 4 ? j->M - i0 : 4;
+            const float *a[4];
+            for (int r = 0; r < 4; r++) a[r] = (const float *)gemm_arow(j, i0 + (r < mr ? r : 0));
+            int64_t k = 0;
+#ifdef DOT_VW
+            dvec c[4][2];
+            for (int r = 0; r < 4; r++) c[r][0] = c[r][1] = dv_zero();
+            for (; k + DOT_VW <= j->K; k += DOT_VW) {
+                dvec b0 = dv_ldb(j, n * j->ldb + k), b1 = dv_ldb(j, n1 * j->ldb + k);
+                for (int r = 0; r < 4; r++) {
+                    dvec x = dv_ld(a[r] + k);
+                    c[r][0] = dv_fma(x, b0, c[r][0]);
+                    c[r][1] = dv_fma(x, b1, c[r][1]);
+                }
+            }
+            for (int r = 0; r < 4; r++) s[r][0] = dv_sum(c[r][0]), s[r][1] = dv_sum(c[r][1]);
+#else
+            for (int r = 0; r < 4; r++) s[r][0] = s[r][1] = 0.f;
+#endif
+            for (int r = 0; r < mr; r++) {
+                float v[2] = {s[r][0] + gemm_dot_tail(j, a[r], n, k), s[r][1] + gemm_dot_tail(j, a[r], n1, k)};
+                gemm_store_row(j, i0 + r, n, nn, v);
+            }
+        }
+    }
+}
+
 /* Widen bf16 activation rows (gathered by arows) to a dense fp32 [M, K] buffer. */
 typedef struct {
     const GemmJob *j;
@@ -1139,7 +1226,8 @@ int64_t wide_gemm(int64_t fmt, int64_t ofmt, int64_t layout, const void *B, int6
     if (nthreads != g_pool.n) pool_resize(nthreads);
     GemmJob j = {fmt, fmt, ofmt, layout, N, K, M, lda, ldb, ldo, accumulate, A, B, arows, orows, out, 0};
     float *wide = NULL;
-    if (fmt == FMT_BF16 && !GEMM_BF16_PAIRS) {
+    const int64_t dot = layout == 0 && M <= GEMM_DOT_M;
+    if (fmt == FMT_BF16 && (dot || !GEMM_BF16_PAIRS)) {
         if (!(wide = (float *)malloc(sizeof(float) * M * K))) return -1;
         WidenJob w = {&j, wide};
         pool_run(widen_job, &w);
@@ -1148,7 +1236,7 @@ int64_t wide_gemm(int64_t fmt, int64_t ofmt, int64_t layout, const void *B, int6
         j.arows = NULL;
         j.lda = K;
     }
-    pool_run(gemm_job, &j);
+    pool_run(dot ? gemm_dot_job : gemm_job, &j);
     free(wide);
     return j.err ? -1 : 0;
 }

@@ -37,9 +37,9 @@ def libs():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("layout", ["rows", "w_t"])
 @pytest.mark.parametrize("out_fmt", ["fp32", "same"])
-@pytest.mark.parametrize("shape", [(37, 50, 64), (8, 32, 2), (100, 96, 130), (1, 17, 6)])
+@pytest.mark.parametrize("shape", [(37, 50, 64), (8, 32, 2), (100, 96, 130), (1, 17, 6), (16, 33, 130), (3, 64, 64)])
 def test_gemm_gathers_scatters_and_accumulates_like_torch(build, fmt, layout, out_fmt, shape, libs):
-    M, N, K = shape  # N, M off the kernel's tile sizes: the tails are exercised
+    M, N, K = shape  # off the kernels' tile sizes (tails); M <= 16 with rows: the few-rows kernel
     dt = FORMATS[fmt]
     odt = torch.float32 if out_fmt == "fp32" else dt
     g = torch.Generator().manual_seed(M * N + K)
@@ -107,3 +107,20 @@ def test_low_precision_prefill_on_the_native_gemm_matches_reference(weights, p_s
 
 def test_fp32_prefill_stays_on_pytorch():
     assert torch.float32 not in cpu_proj.NATIVE_GEMM_DTYPES
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_batched_low_precision_decode_matches_reference(weights, routed_model, random_masks):
+    model = routed_model("llama")
+    B, T, steps = 4, 6, 8
+    ids = torch.randint(5, 100, (B, T), generator=torch.Generator().manual_seed(9))
+    ref = Runtime.from_model(model, backend="reference", weight_format=weights)
+    cpu = Runtime.from_model(model, backend="cpu", weight_format=weights)
+    ref.forced = cpu.forced = random_masks(model, B, T + steps, 0.5, seed=4)
+    c_ref, c_cpu = ref.new_cache(B, T + steps), cpu.new_cache(B, T + steps)
+    lr, lc = ref.step(ids, None, c_ref), cpu.step(ids, None, c_cpu)
+    for _ in range(steps):
+        torch.testing.assert_close(lc, lr, atol=0.02 * float(lr.abs().max()), rtol=0)
+        nxt = lr.argmax(-1)[:, None]
+        lr, lc = ref.step(nxt, None, c_ref), cpu.step(nxt, None, c_cpu)
+    assert cpu.stats.summary() == ref.stats.summary()

@@ -12,12 +12,19 @@ from wide_cli.runtime import cpu_native, ops
 from wide_cli.runtime.backend import Counter
 from wide_cli.runtime.cpu_plan import SMALL_M, mask_state, skip_plan
 
-# Compute dtypes whose prefill GEMMs (calls of more than SMALL_M tokens) run on the native kernel
-# (cpu_native.gemm) instead of PyTorch's. bf16: the PyTorch CPU build ran bf16 GEMMs at ~9 GFLOP/s
-# against the kernel's ~80 (AVX2 + FMA, EPYC, 1 thread; 1024 x 3072 x 576). fp32 stays on PyTorch:
-# its GEMMs ran as fast as the kernel's dense and faster on a routed FFN's per-group calls (the
-# kernel packs each weight panel per call; PyTorch's prepacked path does not).
+# Compute dtypes whose projections run on the native GEMM (cpu_native.gemm) instead of PyTorch's,
+# wherever the batch-1 decode step does not run them (prefill, batches, padded caches). bf16: the
+# PyTorch CPU build ran bf16 GEMMs at ~9 GFLOP/s against the kernel's ~80 (1024 x 3072 x 576), and
+# a 16-row call in 19 ms against 3 (AVX2 + FMA, EPYC, 1 thread). fp32 stays on PyTorch: its GEMMs
+# ran as fast as the kernel's dense and faster on a routed FFN's per-group calls (the kernel packs
+# each weight panel per call; PyTorch's prepacked path does not).
 NATIVE_GEMM_DTYPES = (torch.bfloat16,)
+
+
+def prefill_path(dtype: torch.dtype) -> str:
+    """Which code runs the cpu backend's prefill projections in compute dtype ``dtype``:
+    ``native`` (``cpu_native.gemm``) or ``torch``."""
+    return "native" if dtype in NATIVE_GEMM_DTYPES and cpu_native.gemm_library() is not None else "torch"
 
 
 def i8_layout(q: torch.Tensor) -> torch.Tensor:
@@ -102,7 +109,7 @@ class Proj:
         self.counter.weight_bytes += v[0].numel() * v[0].element_size()
         if self.counter.trace is not None:
             self.counter.trace.extend(_span(t) for t in v)
-        if M > SMALL_M and self.dtype in NATIVE_GEMM_DTYPES:
+        if self.dtype in NATIVE_GEMM_DTYPES:
             out = torch.empty(M, r1 - r0, dtype=x.dtype)
             if cpu_native.gemm(x, v[0], "rows", out, arows=idx):
                 return out
@@ -122,7 +129,7 @@ class Proj:
         self.counter.weight_bytes += w.numel() * w.element_size()
         if tr is not None:
             tr.append(_span(w))
-        if M > SMALL_M and self.dtype in NATIVE_GEMM_DTYPES and cpu_native.gemm(a, w, "w_t", out, orows=idx, accumulate=True):
+        if self.dtype in NATIVE_GEMM_DTYPES and cpu_native.gemm(a, w, "w_t", out, orows=idx, accumulate=True):
             return
         if idx is None:
             out.addmm_(a, w)
