@@ -26,7 +26,8 @@
  * beside PyTorch's would spin against it on a small machine). Workers spin briefly, then sleep.
  *
  * Built by wide_cli/runtime/cpu_native.py with the system C compiler (-O3 -march=native); the
- * AVX-512 paths are used when the compiler targets them, portable C otherwise.
+ * AVX-512 paths are used when the compiler targets them, their 8-lane AVX2 + FMA twins on CPUs
+ * without AVX-512, portable C otherwise.
  */
 #include <math.h>
 #include <pthread.h>
@@ -45,7 +46,7 @@
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define WIDE_AVX2 1 /* the prefill GEMM's 256-bit kernel; the decode step's vector paths need AVX-512 */
+#define WIDE_AVX2 1 /* 8-lane twins of the AVX-512 kernels (int8 with fp32 activations, bf16 widened) */
 #endif
 
 #define WIDE_DECODE_ABI 5
@@ -114,6 +115,20 @@ static inline __m512 ld_i8(const int8_t *w) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
 }
 #endif
+#if defined(WIDE_AVX2)
+/* The same loaders 8 lanes wide: AVX2 + FMA machines (no AVX-512) run the 8-lane twins below. */
+static inline __m256 ld_f32(const float *w) { return _mm256_loadu_ps(w); }
+static inline __m256 ld_bf16(const uint16_t *w) {
+    __m128i v = _mm_loadu_si128((const __m128i *)w);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
 static inline float cv_f32(const float *w, int64_t k) { return w[k]; }
 static inline float cv_bf16(const uint16_t *w, int64_t k) { return bf16_to_f32(w[k]); }
 static inline float cv_i8(const int8_t *w, int64_t k) { return (float)w[k]; }
@@ -160,6 +175,44 @@ static inline float cv_i8(const int8_t *w, int64_t k) { return (float)w[k]; }
         for (; k < K; k++) s0 += CV(w0, k) * x[k];                                                   \
         y[r] = s0;                                                                                   \
     }
+#elif defined(WIDE_AVX2)
+#define PREFETCH_ROWS(p, K)                                                                          \
+    do {                                                                                             \
+        _mm_prefetch((const char *)((p) + 8 * (K)), _MM_HINT_T0);                                    \
+        _mm_prefetch((const char *)((p) + 9 * (K)), _MM_HINT_T0);                                    \
+        _mm_prefetch((const char *)((p) + 10 * (K)), _MM_HINT_T0);                                   \
+        _mm_prefetch((const char *)((p) + 11 * (K)), _MM_HINT_T0);                                   \
+    } while (0)
+#define DOT_BODY(T, LD, CV)                                                                          \
+    int64_t r = 0;                                                                                   \
+    for (; r + 4 <= n; r += 4) {                                                                     \
+        const T *w0 = W + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;                           \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                  \
+        int64_t k = 0;                                                                               \
+        for (; k + 8 <= K; k += 8) {                                                                 \
+            __m256 xv = _mm256_loadu_ps(x + k);                                                      \
+            if (k % 32 == 0) PREFETCH_ROWS(w0 + k, K);                                               \
+            a0 = _mm256_fmadd_ps(LD(w0 + k), xv, a0);                                                \
+            a1 = _mm256_fmadd_ps(LD(w1 + k), xv, a1);                                                \
+            a2 = _mm256_fmadd_ps(LD(w2 + k), xv, a2);                                                \
+            a3 = _mm256_fmadd_ps(LD(w3 + k), xv, a3);                                                \
+        }                                                                                            \
+        float s0 = hsum8(a0), s1 = hsum8(a1), s2 = hsum8(a2), s3 = hsum8(a3);                        \
+        for (; k < K; k++) {                                                                         \
+            s0 += CV(w0, k) * x[k]; s1 += CV(w1, k) * x[k];                                          \
+            s2 += CV(w2, k) * x[k]; s3 += CV(w3, k) * x[k];                                          \
+        }                                                                                            \
+        y[r] = s0; y[r + 1] = s1; y[r + 2] = s2; y[r + 3] = s3;                                      \
+    }                                                                                                \
+    for (; r < n; r++) {                                                                             \
+        const T *w0 = W + r * K;                                                                     \
+        __m256 a0 = _mm256_setzero_ps();                                                             \
+        int64_t k = 0;                                                                               \
+        for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(LD(w0 + k), _mm256_loadu_ps(x + k), a0);     \
+        float s0 = hsum8(a0);                                                                        \
+        for (; k < K; k++) s0 += CV(w0, k) * x[k];                                                   \
+        y[r] = s0;                                                                                   \
+    }
 #else
 #define DOT_BODY(T, LD, CV)                                                                          \
     for (int64_t r = 0; r < n; r++) {                                                                \
@@ -201,6 +254,53 @@ static void dot_i8_blocks(const int8_t *W, const float *S, int64_t K, int64_t n,
         y[r] = acc;
     }
 }
+
+#if defined(WIDE_AVX2)
+/* dot_i8_blocks on AVX2 + FMA (fp32 activations): per 64-byte chunk of a row, its 8-byte groups
+ * (4 bytes of each of the chunk's two blocks, I8_LAYOUT) widened to 8 fp32 lanes against the
+ * matching activations [x(block 0) 4 | x(block 1) 4]; the chunk's sums are scaled per half by the
+ * two blocks' scales. Four rows share the activation loads. */
+static inline __m256 i8_w8(const int8_t *w) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+}
+
+static void dot_i8_avx2(const int8_t *W, const float *S, int64_t K, int64_t n, const float *x, float *y) {
+    const int64_t nb = K / 32, nc = K / 64;
+    int64_t r = 0;
+    for (; r < n; r += 4) {
+        const int64_t rn = n - r < 4 ? n - r : 4;
+        const int8_t *w[4];
+        const float *sr[4];
+        for (int i = 0; i < 4; i++) {
+            w[i] = W + (r + (i < rn ? i : 0)) * K; /* rows past n recompute row r (not stored) */
+            sr[i] = S + (r + (i < rn ? i : 0)) * nb;
+        }
+        __m256 tot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t c = 0; c < nc; c++) {
+            const float *xc = x + 64 * c;
+            _mm_prefetch((const char *)(w[0] + 64 * c + 8 * K), _MM_HINT_T0);
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t q = 0; q < 8; q++) {
+                const __m256 xq = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(xc + 4 * q)), _mm_loadu_ps(xc + 32 + 4 * q), 1);
+                for (int i = 0; i < 4; i++) acc[i] = _mm256_fmadd_ps(i8_w8(w[i] + 64 * c + 8 * q), xq, acc[i]);
+            }
+            for (int i = 0; i < 4; i++) {
+                const __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sr[i][2 * c])), _mm_set1_ps(sr[i][2 * c + 1]), 1);
+                tot[i] = _mm256_fmadd_ps(acc[i], sv, tot[i]);
+            }
+        }
+        if (nb % 2) { /* the trailing block of 32, natural order */
+            const int64_t k0 = 64 * nc;
+            for (int i = 0; i < 4; i++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t k = k0; k < K; k += 8) acc = _mm256_fmadd_ps(i8_w8(w[i] + k), _mm256_loadu_ps(x + k), acc);
+                tot[i] = _mm256_fmadd_ps(acc, _mm256_set1_ps(sr[i][nb - 1]), tot[i]);
+            }
+        }
+        for (int i = 0; i < rn; i++) y[r + i] = hsum8(tot[i]);
+    }
+}
+#endif
 
 /* An input vector of a projection with the forms the fast kernels read, prepared once per vector:
  * - int8 weights (VNNI): x quantized per block of QBLOCK values, symmetric, scale max|x| / 127 (as
@@ -394,6 +494,10 @@ static void rows_dot(int64_t fmt, const void *W, const float *S, int64_t K, int6
         if (v->qa) dot_i8_vnni(Wq, Sr, K, n, v, y);
         else
 #endif
+#if defined(WIDE_AVX2)
+        if (K % 32 == 0) dot_i8_avx2(Wq, Sr, K, n, v->x, y);
+        else
+#endif
         dot_i8_blocks(Wq, Sr, K, n, v->x, y);
     }
 }
@@ -415,6 +519,29 @@ static void rows_dot(int64_t fmt, const void *W, const float *S, int64_t K, int6
             acc = _mm512_fmadd_ps(LD(w2 + i), b2, acc);                                              \
             acc = _mm512_fmadd_ps(LD(w3 + i), b3, acc);                                              \
             _mm512_storeu_ps(y + i, acc);                                                            \
+        }                                                                                            \
+        for (; i < N; i++)                                                                           \
+            y[i] += CV(w0, i) * a[c] + CV(w1, i) * a[c + 1] + CV(w2, i) * a[c + 2] + CV(w3, i) * a[c + 3]; \
+    }                                                                                                \
+    for (; c < C; c++) {                                                                             \
+        const T *w0 = Wt + c * ld;                                                                   \
+        for (int64_t i = 0; i < N; i++) y[i] += CV(w0, i) * a[c];                                    \
+    }
+#elif defined(WIDE_AVX2)
+#define AXPY_BODY(T, LD, CV)                                                                         \
+    int64_t c = 0;                                                                                   \
+    for (; c + 4 <= C; c += 4) {                                                                     \
+        const T *w0 = Wt + c * ld, *w1 = w0 + ld, *w2 = w1 + ld, *w3 = w2 + ld;                      \
+        __m256 b0 = _mm256_set1_ps(a[c]), b1 = _mm256_set1_ps(a[c + 1]);                             \
+        __m256 b2 = _mm256_set1_ps(a[c + 2]), b3 = _mm256_set1_ps(a[c + 3]);                         \
+        int64_t i = 0;                                                                               \
+        for (; i + 8 <= N; i += 8) {                                                                 \
+            __m256 acc = _mm256_loadu_ps(y + i);                                                     \
+            acc = _mm256_fmadd_ps(LD(w0 + i), b0, acc);                                              \
+            acc = _mm256_fmadd_ps(LD(w1 + i), b1, acc);                                              \
+            acc = _mm256_fmadd_ps(LD(w2 + i), b2, acc);                                              \
+            acc = _mm256_fmadd_ps(LD(w3 + i), b3, acc);                                              \
+            _mm256_storeu_ps(y + i, acc);                                                            \
         }                                                                                            \
         for (; i < N; i++)                                                                           \
             y[i] += CV(w0, i) * a[c] + CV(w1, i) * a[c + 1] + CV(w2, i) * a[c + 2] + CV(w3, i) * a[c + 3]; \
@@ -713,6 +840,13 @@ static inline float dot_head(const float *q, const void *k, int64_t d, int64_t b
             a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), bf ? ld_bf16((const uint16_t *)k + i) : ld_f32((const float *)k + i), a);
         return _mm512_reduce_add_ps(a);
     }
+#elif defined(WIDE_AVX2)
+    if (d % 8 == 0) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), bf ? ld_bf16((const uint16_t *)k + i) : ld_f32((const float *)k + i), a);
+        return hsum8(a);
+    }
 #endif
     float s = 0.f;
     for (int64_t i = 0; i < d; i++) s += q[i] * load_act(k, i, bf);
@@ -726,6 +860,14 @@ static inline void axpy_head(float *o, float p, const void *v, int64_t d, int64_
         for (int64_t i = 0; i < d; i += 16)
             _mm512_storeu_ps(o + i, _mm512_fmadd_ps(bf ? ld_bf16((const uint16_t *)v + i) : ld_f32((const float *)v + i), pv,
                                                     _mm512_loadu_ps(o + i)));
+        return;
+    }
+#elif defined(WIDE_AVX2)
+    if (d % 8 == 0) {
+        const __m256 pv = _mm256_set1_ps(p);
+        for (int64_t i = 0; i < d; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_fmadd_ps(bf ? ld_bf16((const uint16_t *)v + i) : ld_f32((const float *)v + i), pv,
+                                                    _mm256_loadu_ps(o + i)));
         return;
     }
 #endif
@@ -1147,17 +1289,10 @@ typedef __m256 dvec;
 static inline dvec dv_zero(void) { return _mm256_setzero_ps(); }
 static inline dvec dv_ld(const float *p) { return _mm256_loadu_ps(p); }
 static inline dvec dv_ldb(const GemmJob *j, int64_t idx) {
-    if (j->bfmt != FMT_BF16) return _mm256_loadu_ps((const float *)j->B + idx);
-    __m128i v = _mm_loadu_si128((const __m128i *)((const uint16_t *)j->B + idx));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+    return j->bfmt == FMT_BF16 ? ld_bf16((const uint16_t *)j->B + idx) : _mm256_loadu_ps((const float *)j->B + idx);
 }
 static inline dvec dv_fma(dvec a, dvec b, dvec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float dv_sum(dvec v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+static inline float dv_sum(dvec v) { return hsum8(v); }
 #endif
 
 static void gemm_dot_job(void *arg, int64_t part, int64_t parts) {
