@@ -86,6 +86,7 @@ def test_gemm_declines_what_it_does_not_take(libs):
 def test_low_precision_prefill_on_the_native_gemm_matches_reference(weights, p_skip, routed_model, random_masks, monkeypatch):
     if cpu_native.gemm_library() is None:
         pytest.skip("no native GEMM with vector code on this CPU (the prefill runs PyTorch's)")
+    monkeypatch.setattr(cpu_proj, "_native_dtypes", lambda: frozenset({torch.bfloat16}))  # whatever this CPU's default
     calls = []
     real = cpu_native.gemm
     monkeypatch.setattr(cpu_native, "gemm", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -105,12 +106,20 @@ def test_low_precision_prefill_on_the_native_gemm_matches_reference(weights, p_s
     assert cpu.stats.summary() == ref.stats.summary()
 
 
-def test_fp32_prefill_stays_on_pytorch():
-    assert torch.float32 not in cpu_proj.NATIVE_GEMM_DTYPES
+@pytest.mark.parametrize("flags", ["fpu avx2 fma", "fpu avx2 fma avx512f avx512_bf16"])
+@pytest.mark.parametrize("choice", ["auto", "native", "torch"])
+def test_the_gemm_choice_follows_the_cpu_and_the_override(flags, choice, monkeypatch):
+    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: "flags\t\t: " + flags)
+    monkeypatch.setenv("WIDE_CPU_GEMM", choice)
+    got = cpu_proj._native_gemm_dtypes()
+    assert torch.float32 not in got  # fp32 stays on PyTorch's GEMMs
+    fast_bf16 = "avx512_bf16" in flags
+    assert (torch.bfloat16 in got) == (choice == "native" or (choice == "auto" and not fast_bf16))
 
 
 @pytest.mark.parametrize("weights", ["bf16", "int8"])
-def test_batched_low_precision_decode_matches_reference(weights, routed_model, random_masks):
+def test_batched_low_precision_decode_matches_reference(weights, routed_model, random_masks, monkeypatch):
+    monkeypatch.setattr(cpu_proj, "_native_dtypes", lambda: frozenset({torch.bfloat16}))
     model = routed_model("llama")
     B, T, steps = 4, 6, 8
     ids = torch.randint(5, 100, (B, T), generator=torch.Generator().manual_seed(9))

@@ -6,7 +6,7 @@ per token on the weight layouts of ``runtime/cpu_proj.py`` (only bf16 O and down
 a copy of those two), reading only the weight bytes of the groups a token executes. The PyTorch
 path stays: it runs prefill, batches of more than one row, padded caches and byte tracing, and it
 is the test oracle. The same library has the prefill GEMM (``gemm``): bf16 prefill projections run
-on it (``cpu_proj.NATIVE_GEMM_DTYPES`` says why), gathering each routed group's tokens itself.
+on it where PyTorch's are slow (``cpu_proj._native_gemm_dtypes`` says where), gathering each routed group's tokens itself.
 
 Build: on first use the C source is compiled with the system compiler (``$CC``, default ``cc``;
 ``-O3 -march=native``) into ``$WIDE_CACHE/native/<key>/`` (default ``~/.cache/wide``), keyed by the
@@ -62,7 +62,8 @@ def _source() -> Path:
     return shipped_dir("kernels") / SOURCE_NAME
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's feature flags (the ``flags`` line of /proc/cpuinfo; elsewhere the processor name)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -100,7 +101,7 @@ def build(force: bool = False, *, portable: bool = False) -> Path:
         raise RuntimeError(f"{cc} --version failed: {e}") from e
     flags = PORTABLE_FLAGS if portable else COMPILE_FLAGS
     key = hashlib.sha256(
-        b"\0".join(x.encode() for x in (src.read_text(), cc, version, " ".join(flags), _cpu_flags()))
+        b"\0".join(x.encode() for x in (src.read_text(), cc, version, " ".join(flags), cpu_flags()))
     ).hexdigest()[:16]
     out = _cache_root() / key / "libwide_cpu_decode.so"
     if out.is_file() and not force:

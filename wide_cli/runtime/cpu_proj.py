@@ -5,6 +5,9 @@ the layout and the strategy).
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -12,19 +15,39 @@ from wide_cli.runtime import cpu_native, ops
 from wide_cli.runtime.backend import Counter
 from wide_cli.runtime.cpu_plan import SMALL_M, mask_state, skip_plan
 
-# Compute dtypes whose projections run on the native GEMM (cpu_native.gemm) instead of PyTorch's,
-# wherever the batch-1 decode step does not run them (prefill, batches, padded caches). bf16: the
-# PyTorch CPU build ran bf16 GEMMs at ~9 GFLOP/s against the kernel's ~80 (1024 x 3072 x 576), and
-# a 16-row call in 19 ms against 3 (AVX2 + FMA, EPYC, 1 thread). fp32 stays on PyTorch: its GEMMs
-# ran as fast as the kernel's dense and faster on a routed FFN's per-group calls (the kernel packs
-# each weight panel per call; PyTorch's prepacked path does not).
-NATIVE_GEMM_DTYPES = (torch.bfloat16,)
+
+def _native_gemm_dtypes() -> frozenset:
+    """Compute dtypes whose projections run on the native GEMM (``cpu_native.gemm``) instead of
+    PyTorch's, wherever the batch-1 decode step does not run them (prefill, batches, padded
+    caches). ``WIDE_CPU_GEMM=native`` / ``torch`` forces the choice for bf16 (benchmarks).
+
+    bf16 on CPUs without AVX512-BF16 (or AMX): there the PyTorch CPU build runs bf16 GEMMs on a
+    slow path (~9 GFLOP/s against the kernel's ~80 at 1024 x 3072 x 576, and a 16-row call in
+    19 ms against 3; AVX2 + FMA EPYC, 1 thread). With AVX512-BF16, PyTorch's oneDNN bf16 GEMMs ran
+    prefill 2.3x faster than its fp32 ones (SmolLM2-135M, 1,024 tokens): they stay. fp32 stays on
+    PyTorch everywhere: its GEMMs ran as fast as the kernel's dense and faster on a routed FFN's
+    per-group calls (the kernel packs each weight panel per call; PyTorch's prepacked path does not).
+    """
+    choice = os.environ.get("WIDE_CPU_GEMM", "auto")
+    if choice == "torch":
+        return frozenset()
+    if choice == "native":
+        return frozenset({torch.bfloat16})
+    flags = cpu_native.cpu_flags().split()
+    fast_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
+    return frozenset() if fast_bf16 else frozenset({torch.bfloat16})
+
+
+@functools.cache
+def _native_dtypes() -> frozenset:
+    """``_native_gemm_dtypes()``, read once per process."""
+    return _native_gemm_dtypes()
 
 
 def prefill_path(dtype: torch.dtype) -> str:
     """Which code runs the cpu backend's prefill projections in compute dtype ``dtype``:
     ``native`` (``cpu_native.gemm``) or ``torch``."""
-    return "native" if dtype in NATIVE_GEMM_DTYPES and cpu_native.gemm_library() is not None else "torch"
+    return "native" if dtype in _native_dtypes() and cpu_native.gemm_library() is not None else "torch"
 
 
 def i8_layout(q: torch.Tensor) -> torch.Tensor:
@@ -109,7 +132,7 @@ class Proj:
         self.counter.weight_bytes += v[0].numel() * v[0].element_size()
         if self.counter.trace is not None:
             self.counter.trace.extend(_span(t) for t in v)
-        if self.dtype in NATIVE_GEMM_DTYPES:
+        if self.dtype in _native_dtypes():
             out = torch.empty(M, r1 - r0, dtype=x.dtype)
             if cpu_native.gemm(x, v[0], "rows", out, arows=idx):
                 return out
@@ -129,7 +152,7 @@ class Proj:
         self.counter.weight_bytes += w.numel() * w.element_size()
         if tr is not None:
             tr.append(_span(w))
-        if self.dtype in NATIVE_GEMM_DTYPES and cpu_native.gemm(a, w, "w_t", out, orows=idx, accumulate=True):
+        if self.dtype in _native_dtypes() and cpu_native.gemm(a, w, "w_t", out, orows=idx, accumulate=True):
             return
         if idx is None:
             out.addmm_(a, w)
