@@ -357,6 +357,18 @@ static Vec prepare_vec(int64_t fmt, const float *x, int64_t K) {
         }
         v.qa = g_qa; v.qs = g_qs;
     }
+#elif defined(WIDE_AVX2)
+    if (fmt == FMT_I8 && K % QBLOCK == 0 && K <= g_vec_cap) { /* the same rounding, scalar */
+        for (int64_t b = 0; b < K / QBLOCK; b++) {
+            const float *xb = x + b * QBLOCK;
+            float amax = 0.f;
+            for (int64_t i = 0; i < QBLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            const float inv = amax > 0.f ? 127.0f / amax : 0.f;
+            for (int64_t i = 0; i < QBLOCK; i++) g_qa[b * QBLOCK + i] = (int8_t)fmaxf(-127.f, fminf(127.f, nearbyintf(xb[i] * inv)));
+            g_qs[b] = amax / 127.0f;
+        }
+        v.qa = g_qa; v.qs = g_qs;
+    }
 #endif
 #ifdef WIDE_BF16DP
     if (fmt == FMT_BF16 && K % 32 == 0 && K <= g_vec_cap) {
@@ -476,6 +488,58 @@ static void dot_bf16_dp(const uint16_t *W, int64_t K, int64_t n, const uint16_t 
 }
 #endif
 
+#if defined(WIDE_AVX2)
+/* int8 x int8 on AVX2 (vpmaddubsw + vpmaddwd, as llama.cpp's Q8_0 without VNNI): the activations
+ * rounded to int8 per block (Vec.qa, qs), |q| times the weights with q's sign moved onto them. The
+ * 32 bytes of half a chunk in I8_LAYOUT pair with [q0 4 | q1 4] groups (unpacklo/hi of the two
+ * blocks' activations); the int32 lanes alternate between the two blocks, as in dot_i8_vnni. */
+static inline __m256i i8_dot32(__m256i w, __m256i qa, __m256i qsgn) {
+    const __m256i p16 = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(w, qsgn)); /* |q| <= 127: no saturation */
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+static void dot_i8_q_avx2(const int8_t *W, const float *S, int64_t K, int64_t n, const int8_t *qx, const float *qs, float *y) {
+    const int64_t nb = K / QBLOCK, nc = nb / 2;
+    for (int64_t r = 0; r < n; r += 4) {
+        const int64_t rn = n - r < 4 ? n - r : 4;
+        const int8_t *w[4];
+        const float *sr[4];
+        for (int i = 0; i < 4; i++) {
+            w[i] = W + (r + (i < rn ? i : 0)) * K; /* rows past n recompute row r (not stored) */
+            sr[i] = S + (r + (i < rn ? i : 0)) * nb;
+        }
+        __m256 tot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t c = 0; c < nc; c++) {
+            const int8_t *q = qx + 64 * c;
+            const __m128i b0l = _mm_loadu_si128((const __m128i *)q), b0h = _mm_loadu_si128((const __m128i *)(q + 16));
+            const __m128i b1l = _mm_loadu_si128((const __m128i *)(q + 32)), b1h = _mm_loadu_si128((const __m128i *)(q + 48));
+            const __m256i x0 = _mm256_set_m128i(_mm_unpackhi_epi32(b0l, b1l), _mm_unpacklo_epi32(b0l, b1l));
+            const __m256i x1 = _mm256_set_m128i(_mm_unpackhi_epi32(b0h, b1h), _mm_unpacklo_epi32(b0h, b1h));
+            const __m256i a0 = _mm256_sign_epi8(x0, x0), a1 = _mm256_sign_epi8(x1, x1);
+            const float sx0 = qs[2 * c], sx1 = qs[2 * c + 1];
+            _mm_prefetch((const char *)(w[0] + 64 * c + 8 * K), _MM_HINT_T0);
+            for (int i = 0; i < 4; i++) {
+                const int8_t *wc = w[i] + 64 * c;
+                __m256i acc = _mm256_add_epi32(i8_dot32(_mm256_loadu_si256((const __m256i *)wc), a0, x0),
+                                               i8_dot32(_mm256_loadu_si256((const __m256i *)(wc + 32)), a1, x1));
+                float pair[2] = {sr[i][2 * c] * sx0, sr[i][2 * c + 1] * sx1};
+                double d;
+                memcpy(&d, pair, 8);
+                tot[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_castpd_ps(_mm256_set1_pd(d)), tot[i]);
+            }
+        }
+        if (nb % 2) { /* the trailing block of 32, natural order */
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 64 * nc)), a = _mm256_sign_epi8(x, x);
+            for (int i = 0; i < 4; i++) {
+                const __m256i acc = i8_dot32(_mm256_loadu_si256((const __m256i *)(w[i] + 64 * nc)), a, x);
+                tot[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(sr[i][nb - 1] * qs[nb - 1]), tot[i]);
+            }
+        }
+        for (int i = 0; i < rn; i++) y[r + i] = hsum8(tot[i]);
+    }
+}
+#endif
+
 /* y[i] = W[r0 + i] . v for rows [r0, r1) of an axis-n projection (int8: S [N, K / 32] scales). */
 static void rows_dot(int64_t fmt, const void *W, const float *S, int64_t K, int64_t r0, int64_t r1,
                      const Vec *v, float *y) {
@@ -495,7 +559,8 @@ static void rows_dot(int64_t fmt, const void *W, const float *S, int64_t K, int6
         else
 #endif
 #if defined(WIDE_AVX2)
-        if (K % 32 == 0) dot_i8_avx2(Wq, Sr, K, n, v->x, y);
+        if (v->qa) dot_i8_q_avx2(Wq, Sr, K, n, v->qa, v->qs, y);
+        else if (K % 32 == 0) dot_i8_avx2(Wq, Sr, K, n, v->x, y);
         else
 #endif
         dot_i8_blocks(Wq, Sr, K, n, v->x, y);
