@@ -60,7 +60,7 @@ def test_generate_errors_are_one_line(tiny_export, tmp_path):
     assert main(["generate", str(tiny_export), "-p", "x", "--backend", "tpu"]) == 2
 
 
-def test_bench_flags_reach_the_config(tiny_export, monkeypatch):
+def test_bench_flags_reach_the_config(tiny_export, monkeypatch, capsys):
     from wide_cli.bench import run
     from wide_cli.bench.report import BenchReport
 
@@ -86,6 +86,14 @@ def test_bench_flags_reach_the_config(tiny_export, monkeypatch):
     assert (seen["cfg"].weights, seen["cfg"].threads) == (("fp32", "int8"), (1, 2))
     r = _run(["bench", str(tiny_export), "--quick", "--new-tokens", "3", "--json"])
     assert seen["cfg"].prefill_lengths == (32, 128) and seen["cfg"].new_tokens == 3
+    r = _run(["bench", str(tiny_export), "--protocol", "llama-bench", "--repeats", "2", "--json"])
+    cfg = seen["cfg"]
+    assert (cfg.prefill_lengths, cfg.decode_batches, cfg.new_tokens, cfg.decode_prompt_len) == ((512,), (1,), 128, 1)
+    assert cfg.repeats == 2  # an explicit flag wins over the protocol
+    from wide_cli.cli.app import main
+
+    assert main(["bench", str(tiny_export), "--protocol", "llama-bnch"]) == 2
+    assert "error: unknown --protocol 'llama-bnch'" in capsys.readouterr().err
 
 
 def test_bench_quick_real_run(tiny_export, tmp_path):

@@ -9,8 +9,15 @@ from typing import Annotated
 import typer
 
 from wide_cli.cli.options import JsonOpt
+from wide_cli.errors import ConfigError
 
 QUICK = {"prefill_lengths": (32, 128), "decode_batches": (1, 2), "new_tokens": 16, "decode_prompt_len": 32, "repeats": 1, "warmup": 1}
+# Shapes of a named protocol. llama-bench: its default tests pp512 (a 512-token prompt) and tg128
+# (128 tokens generated from an empty context, here after a 1-token prompt), 5 repetitions.
+PROTOCOLS = {
+    "llama-bench": {"prefill_lengths": (512,), "decode_batches": (1,), "new_tokens": 128, "decode_prompt_len": 1,
+                    "repeats": 5, "warmup": 1},
+}
 
 
 def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
@@ -86,6 +93,7 @@ def bench_cmd(
     forced_sparsity: Annotated[float | None, typer.Option("--forced-sparsity", help="Replace routers by random masks skipping this fraction (label the results).")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Prompt offsets and forced masks (default 0).")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="Small shapes, one round (explicit flags still win).")] = False,
+    protocol: Annotated[str | None, typer.Option("--protocol", help="Named shapes: llama-bench (pp512 and tg128, 5 rounds, as llama.cpp's llama-bench; explicit flags still win).")] = None,
     json_out: JsonOpt = False,
     json_file: Annotated[Path | None, typer.Option("--json-out", help="Also write the JSON report to FILE (atomic).")] = None,
 ):
@@ -116,7 +124,10 @@ def bench_cmd(
         "forced_sparsity": forced_sparsity,
         "seed": seed,
     }
+    if protocol is not None and protocol not in PROTOCOLS:
+        raise ConfigError(f"unknown --protocol {protocol!r}", f"choose one of {', '.join(PROTOCOLS)}")
     kw = dict(QUICK) if quick else {}
+    kw.update(PROTOCOLS.get(protocol, {}))
     kw.update({k: v for k, v in given.items() if v is not None})
     cfg = BenchConfig(**kw)
     report = run_bench(export, cfg, log=render.log)
