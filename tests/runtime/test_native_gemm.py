@@ -133,3 +133,20 @@ def test_batched_low_precision_decode_matches_reference(weights, routed_model, r
         nxt = lr.argmax(-1)[:, None]
         lr, lc = ref.step(nxt, None, c_ref), cpu.step(nxt, None, c_cpu)
     assert cpu.stats.summary() == ref.stats.summary()
+
+
+@pytest.mark.parametrize("M", [5, 40])
+def test_two_threads_give_the_same_gemm_as_one(M, libs):
+    g = torch.Generator().manual_seed(M)
+    a, w = torch.randn(M, 96, generator=g).to(torch.bfloat16), torch.randn(200, 96, generator=g).to(torch.bfloat16)
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.empty(M, 200)
+            assert cpu_native.gemm(a, w, "rows", out, lib=libs["native"])
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])  # threads split output columns: the same sums per column
