@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wide_cli.errors import CheckpointError
+from wide_cli.errors import CheckpointError, ConfigError
 from wide_cli.models.arch import ROUTED_MODULES
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from wide_cli.routing.config import RoutingConfig
 
 # ----------------------------------------------------------------------------- file names
@@ -193,6 +195,62 @@ def read_wide_config(path: Path) -> dict:
         raise CheckpointError(f"{p} is missing: not a wide export", "export one with `wide export`") from None
     except ValueError as e:
         raise CheckpointError(f"{p} is not valid JSON ({e})", "re-run `wide export`") from None
+
+
+def check_export_target(out, *, protected: Iterable[tuple[str, Path | None]] = ()) -> None:
+    """Refuse an export destination whose replacement would destroy what wide did not write.
+
+    Accepted: a path that does not exist, an empty directory, and a complete wide export whose
+    files are exactly those its ``manifest.json`` lists (the writer replaces it atomically).
+    Refused: a symbolic link (even to an export: the rename would act on the link, not on what it
+    points at), a file, a directory holding anything else, a path in ``protected`` (``(what, path)``
+    pairs, e.g. ``("the run directory", run_root)``, ``("the model source", source_dir)``; None
+    and missing paths are skipped) and a directory holding one of them.
+
+    Raises:
+        ConfigError: naming ``out``, what it is and the fix; nothing is touched.
+    """
+    out = Path(out)
+    fix = "choose a new path, an empty directory or an existing wide export for --out"
+    if out.is_symlink():
+        raise ConfigError(f"--out {out} is a symbolic link (to {out.readlink()})",
+                          "give the directory itself, or a new path, for --out")
+    target = out.resolve()
+    for what, p in protected:
+        if p is None or not Path(p).exists():
+            continue
+        p = Path(p).resolve()
+        if p == target:
+            raise ConfigError(f"--out {out} is {what}", fix)
+        if p.is_relative_to(target):
+            raise ConfigError(f"--out {out} holds {what} {p}", fix)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not an export directory", fix)
+    present = sorted(str(q.relative_to(out)) for q in out.rglob("*") if not q.is_dir() or q.is_symlink())
+    if not present:
+        return
+    listed = _export_files(out)
+    if listed is None:
+        raise ConfigError(f"--out {out} exists and is not a wide export (it holds {present[0]})", fix)
+    foreign = [f for f in present if f not in listed and f != MANIFEST]
+    if foreign:
+        raise ConfigError(f"--out {out} is a wide export but also holds {foreign[0]}, which is not in its manifest",
+                          f"move {foreign[0]} out of {out}, or {fix}")
+
+
+def _export_files(path: Path) -> set[str] | None:
+    """The files ``manifest.json`` lists when ``path`` holds a wide export (a ``wide_config.json``
+    and a manifest that parse), else None."""
+    try:
+        wcfg = json.loads((path / WIDE_CONFIG).read_text())
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(wcfg, dict) or not isinstance(files, dict):
+        return None
+    return set(files)
 
 
 def check_manifest_owner(path: Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from wide_cli.artifacts import ROUTERS_FILE, WIDE_CONFIG, backbone_state_dict
+from wide_cli.artifacts import ROUTERS_FILE, WIDE_CONFIG, backbone_state_dict, check_export_target
 from wide_cli.atomic import atomic_directory, atomic_write_json
 from wide_cli.errors import CheckpointError
 from wide_cli.export.manifest import write_manifest
@@ -68,14 +68,16 @@ def export_model(
             their current dtype.
         tokenizer: saved beside it, unchanged.
         out_dir: final directory; an existing export there is replaced only once the new one is
-            complete.
+            complete (anything else there is refused: ``artifacts.check_export_target``).
         wide_config: method settings, measured sparsity, source model, metrics... stored as
             ``wide_config.json`` (``format``, ``format_version``, ``wide_version``, ``export_id``
             and ``created`` are added here).
 
     Raises:
         CheckpointError: a router or backbone tensor with NaN/Inf.
+        ConfigError: ``out_dir`` is a file, a link or a directory that is not a wide export.
     """
+    check_export_target(out_dir)
     routers = router_state_dict(model)
     check_finite(routers, "router")
     backbone = backbone_state_dict(model)

@@ -187,6 +187,7 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
     from wide_cli.export.writer import export_model
     from wide_cli.routing.config import resolve_groups
 
+    check_export_destination(settings, run, out)
     if export_format == "hf" and settings.routing.standin != "none":
         raise ConfigError(f"--format hf cannot carry the stand-ins of standin={settings.routing.standin!r}",
                           "export with --format wide (the runtime, wide eval and wide bench apply them)")
@@ -247,6 +248,27 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
             "free disk space or choose another --out, then re-run `wide export`; any previous export there is "
             "untouched",
         ) from e
+
+
+def check_export_destination(settings: Settings, run: RunDir, out: Path) -> None:
+    """Refuse an export destination that would destroy what wide did not write (see
+    ``artifacts.check_export_target``): besides a file, a link or a foreign directory, the run
+    directory and the model source (the local path given, and the local copy the run recorded)
+    are never replaced, nor is a directory holding them.
+
+    Raises:
+        ConfigError: naming ``out`` and what it is.
+    """
+    from wide_cli.artifacts import check_export_target
+
+    recorded = (run.read_run() or {}).get("model") or {}
+    spec = Path(settings.model.name).expanduser()
+    local = recorded.get("resolved_dir")
+    check_export_target(out, protected=[
+        ("the run directory", run.root),
+        ("the model source", spec if spec.exists() else None),
+        ("the model source's local copy", Path(local) if local else None),
+    ])
 
 
 def shareable(value: str | None) -> str | None:
