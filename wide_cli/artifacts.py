@@ -197,7 +197,8 @@ def read_wide_config(path: Path) -> dict:
         raise CheckpointError(f"{p} is not valid JSON ({e})", "re-run `wide export`") from None
 
 
-def check_export_target(out, *, protected: Iterable[tuple[str, Path | None]] = ()) -> None:
+def check_export_target(out, *, protected: Iterable[tuple[str, Path | None]] = (),
+                        inside: tuple[Path, Path] | None = None) -> None:
     """Refuse an export destination whose replacement would destroy what wide did not write.
 
     Accepted: a path that does not exist, an empty directory, and a complete wide export whose
@@ -205,7 +206,8 @@ def check_export_target(out, *, protected: Iterable[tuple[str, Path | None]] = (
     Refused: a symbolic link (even to an export: the rename would act on the link, not on what it
     points at), a file, a directory holding anything else, a path in ``protected`` (``(what, path)``
     pairs, e.g. ``("the run directory", run_root)``, ``("the model source", source_dir)``; None
-    and missing paths are skipped) and a directory holding one of them.
+    is skipped; a path need not exist yet) and a directory holding one of them. ``inside``
+    (``(run_root, default_export)``): any other path inside ``run_root`` is refused, existing or not.
 
     Raises:
         ConfigError: naming ``out``, what it is and the fix; nothing is touched.
@@ -217,23 +219,29 @@ def check_export_target(out, *, protected: Iterable[tuple[str, Path | None]] = (
                           "give the directory itself, or a new path, for --out")
     target = out.resolve()
     for what, p in protected:
-        if p is None or not Path(p).exists():
+        if p is None:
             continue
         p = Path(p).resolve()
         if p == target:
             raise ConfigError(f"--out {out} is {what}", fix)
         if p.is_relative_to(target):
             raise ConfigError(f"--out {out} holds {what} {p}", fix)
+    if inside is not None:
+        root, allowed = (Path(q).resolve() for q in inside)
+        if target.is_relative_to(root) and target != allowed:
+            raise ConfigError(f"--out {out} is inside the run directory {inside[0]}",
+                              f"choose a path outside it, or leave --out out for {inside[1]}")
     if not out.exists():
         return
     if not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not an export directory", fix)
-    present = sorted(str(q.relative_to(out)) for q in out.rglob("*") if not q.is_dir() or q.is_symlink())
-    if not present:
+    first = min(out.iterdir(), default=None)  # one level: a large foreign folder is never walked
+    if first is None:
         return
     listed = _export_files(out)
     if listed is None:
-        raise ConfigError(f"--out {out} exists and is not a wide export (it holds {present[0]})", fix)
+        raise ConfigError(f"--out {out} exists and is not a wide export (it holds {first.name})", fix)
+    present = sorted(str(q.relative_to(out)) for q in out.rglob("*") if not q.is_dir() or q.is_symlink())
     foreign = [f for f in present if f not in listed and f != MANIFEST]
     if foreign:
         raise ConfigError(f"--out {out} is a wide export but also holds {foreign[0]}, which is not in its manifest",

@@ -69,7 +69,9 @@ def test_export_refuses_to_replace_the_run_directory(trained_run, capsys):
 def test_export_refuses_a_folder_inside_the_run_directory(trained_run, capsys):
     before = _snapshot(trained_run)
     _refused(capsys, ["export", "--run-dir", str(trained_run), "--out", str(trained_run / "stage1")],
-             f"--out {trained_run / 'stage1'}", "not a wide export")
+             f"--out {trained_run / 'stage1'} is inside the run directory {trained_run}")
+    _refused(capsys, ["export", "--run-dir", str(trained_run), "--out", str(trained_run / "new")],
+             f"--out {trained_run / 'new'} is inside the run directory {trained_run}")
     assert _snapshot(trained_run) == before
 
 
@@ -162,3 +164,10 @@ def test_prune_refuses_a_folder_of_files_as_out_before_calibrating(tmp_path, tex
     _refused(capsys, ["prune", "tiny-llama", "--data", str(text_file), "--out", str(dest), "--run-dir", str(run),
                       *COMMON, "--steps", "1"], f"--out {dest}", "is not a wide export")
     assert _snapshot(dest) == before and not run.exists()
+
+
+def test_prune_refuses_its_run_directory_as_out_before_creating_it(tmp_path, text_file, capsys):
+    run = tmp_path / "run"
+    _refused(capsys, ["prune", "tiny-llama", "--data", str(text_file), "--out", str(run), "--run-dir", str(run),
+                      *COMMON, "--steps", "1"], f"--out {run} is the run directory")
+    assert not run.exists()

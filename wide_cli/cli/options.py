@@ -11,7 +11,8 @@ import typer
 ModelArg = Annotated[str, typer.Argument(help="Model: alias (smollm2-135m, tiny-llama), HF id, local dir or .gguf.")]
 RecipeOpt = Annotated[str | None, typer.Option("--recipe", help="Recipe TOML (path or shipped name, see `wide recipes`).")]
 RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default runs/<model>).")]
-OutOpt = Annotated[Path | None, typer.Option("--out", help="Export directory (default <run-dir>/export).")]
+OutOpt = Annotated[Path | None, typer.Option("--out", help="Export directory (default <run-dir>/export). An existing wide export there is "
+                                              "replaced once the new one is complete; anything else there is refused.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout (logs go to stderr).")]
 NprocOpt = Annotated[int, typer.Option("--nproc", help="Data-parallel processes (re-runs itself under torchrun).")]
 TrustRemoteCodeOpt = Annotated[bool, typer.Option(

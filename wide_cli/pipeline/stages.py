@@ -255,8 +255,9 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
 def check_export_destination(settings: Settings, run: RunDir, out: Path) -> None:
     """Refuse an export destination that would destroy what wide did not write (see
     ``artifacts.check_export_target``): besides a file, a link or a foreign directory, the run
-    directory and the model source (the local path given, and the local copy the run recorded)
-    are never replaced, nor is a directory holding them.
+    directory, anything inside it but its default ``export/``, and the model source (the local
+    path given, and the local copy the run recorded) are never replaced, nor is a directory
+    holding them.
 
     Raises:
         ConfigError: naming ``out`` and what it is.
@@ -269,8 +270,8 @@ def check_export_destination(settings: Settings, run: RunDir, out: Path) -> None
     check_export_target(out, protected=[
         ("the run directory", run.root),
         ("the model source", spec if spec.exists() else None),
-        ("the model source's local copy", Path(local) if local else None),
-    ])
+        ("the model source's local copy", Path(local) if local and local != "None" else None),
+    ], inside=(run.root, run.default_export))
 
 
 def shareable(value: str | None) -> str | None:
