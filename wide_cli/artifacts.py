@@ -43,7 +43,13 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 RESULT_JSON = "result.json"
 
+#: ``format_version`` written into an export's ``wide_config.json`` and a run's ``run.json``;
+#: a reader refuses a higher one (a newer wide wrote it), and reads a lower or missing one.
+EXPORT_FORMAT_VERSION = 1
+RUN_FORMAT_VERSION = 1
+
 _CORRUPT = "the export is corrupt or was edited; re-run `wide export`"
+_UPGRADE = "upgrade wide: pip install -U wide-prune"
 
 
 
@@ -183,18 +189,45 @@ def is_export(path) -> bool:
 
 
 def read_wide_config(path: Path) -> dict:
-    """The export's ``wide_config.json`` as a dict.
+    """The export's ``wide_config.json`` as a dict, checked to be a format this wide reads.
 
     Raises:
-        CheckpointError: missing (not a wide export) or not JSON.
+        CheckpointError: missing (not a wide export), not JSON, or written by a newer wide
+            (``check_format_version``).
     """
     p = Path(path) / WIDE_CONFIG
     try:
-        return json.loads(p.read_text())
+        wcfg = json.loads(p.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{p} is missing: not a wide export", "export one with `wide export`") from None
     except ValueError as e:
         raise CheckpointError(f"{p} is not valid JSON ({e})", "re-run `wide export`") from None
+    if not isinstance(wcfg, dict):
+        raise CheckpointError(f"{p} is not a JSON object", "re-run `wide export`")
+    check_format_version(wcfg, EXPORT_FORMAT_VERSION, p)
+    return wcfg
+
+
+def check_format_version(doc: dict, supported: int, path: Path) -> None:
+    """Refuse a file (``wide_config.json``, ``run.json``) whose ``format_version`` is higher than
+    ``supported``: a newer wide wrote it, and this one would misread what it does not know. A
+    missing version (the first files wide wrote) or a lower one is read as it is.
+
+    Raises:
+        CheckpointError: naming the file, both versions (and the wide that wrote it, when
+            recorded), and the fix.
+    """
+    from wide_cli.version import __version__
+
+    found = doc.get("format_version")
+    if found is None:
+        return
+    if not isinstance(found, int) or isinstance(found, bool):
+        raise CheckpointError(f"{path} has format_version {found!r}, not a whole number", "the file was edited")
+    if found > supported:
+        by = f" (wide {doc['wide_version']})" if doc.get("wide_version") else ""
+        raise CheckpointError(f"{path} has format_version {found}{by}, newer than the {supported} this wide "
+                              f"({__version__}) reads", _UPGRADE)
 
 
 def check_export_target(out, *, protected: Iterable[tuple[str, Path | None]] = (),
@@ -349,10 +382,10 @@ def open_export(path, *, verify: bool = True):
     from wide_cli.models.loader import load_tokenizer
 
     path = Path(path)
+    wcfg = read_wide_config(path)  # first: a newer format is named as such, not as a failed hash
     if verify:
         check_manifest_owner(path)
         verify_manifest(path)
-    wcfg = read_wide_config(path)
     try:
         tokenizer = load_tokenizer(path)
     except (OSError, ValueError) as e:

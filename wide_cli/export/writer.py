@@ -17,7 +17,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from wide_cli.artifacts import ROUTERS_FILE, WIDE_CONFIG, backbone_state_dict, check_export_target
+from wide_cli.artifacts import (
+    EXPORT_FORMAT_VERSION,
+    ROUTERS_FILE,
+    WIDE_CONFIG,
+    backbone_state_dict,
+    check_export_target,
+)
 from wide_cli.atomic import atomic_directory, atomic_write_json
 from wide_cli.errors import CheckpointError
 from wide_cli.export.manifest import write_manifest
@@ -25,7 +31,6 @@ from wide_cli.export.model_card import write_model_card
 from wide_cli.routing.model import router_state_dict
 from wide_cli.version import __version__
 
-FORMAT_VERSION = 1
 EXPORT_FORMATS = ("wide", "hf")
 
 
@@ -114,7 +119,7 @@ def export_model(
                 save_file(routers, str(tmp / ROUTERS_FILE), metadata={"format": "pt", "wide_export_id": export_id})
         cfg = {
             "format": "wide",
-            "format_version": FORMAT_VERSION,
+            "format_version": EXPORT_FORMAT_VERSION,
             "export_format": export_format,
             "wide_version": __version__,
             "export_id": export_id,

@@ -258,10 +258,10 @@ def inspect_export(
         raise CheckpointError(f"export directory {str(path)!r} does not exist", "check the path")
     if layer is not None and prompt is None:
         raise ConfigError("--layer needs --prompt", "add --prompt TEXT, or drop --layer")
+    wc = read_wide_config(path)  # first: a newer format is named as such, not as a failed hash
     if verify:
         check_manifest_owner(path)
         verify_manifest(path)
-    wc = read_wide_config(path)
     fmt = export_format(path, wc)
     method = wc.get("method") or (wc.get("routing") or {}).get("method", "wide")
     n_layers = _num_layers(path)

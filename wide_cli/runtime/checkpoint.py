@@ -342,10 +342,10 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
     from wide_cli.models.consistency import check_config_matches
 
     path = Path(path)
+    wcfg = read_wide_config(path)  # first: a newer format is named as such, not as a failed hash
     if verify:
         check_manifest_owner(path)
         verify_manifest(path)
-    wcfg = read_wide_config(path)
     hf = is_hf_export(path)  # read as data into wide's own config class; its .py files never run
     try:
         config = hf_export_config(path) if hf else AutoConfig.from_pretrained(

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from wide_cli.artifacts import CONFIG_JSON, WIDE_CONFIG
+from wide_cli.artifacts import CONFIG_JSON, WIDE_CONFIG, read_wide_config
 from wide_cli.errors import CheckpointError, ConfigError, ModelSourceError
 
 #: base ``model_type`` -> the plugin's architecture name.
@@ -90,7 +90,7 @@ def serve_plan(export, *, mode: str = "routed") -> ServePlan:
         raise CheckpointError(f"{path} is not a directory", "pass an export directory written by `wide export`")
     if not (path / WIDE_CONFIG).is_file():
         raise CheckpointError(f"{path} is not a wide export (no {WIDE_CONFIG})", "export one with `wide export`")
-    wcfg = _read_json(path / WIDE_CONFIG, WIDE_CONFIG)
+    wcfg = read_wide_config(path)
     cfg = _read_json(path / CONFIG_JSON, CONFIG_JSON)
     export_format = wcfg.get("export_format", "wide")
     base_type = str(cfg.get("model_type", "")).removeprefix("wide_")
