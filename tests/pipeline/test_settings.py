@@ -145,3 +145,44 @@ def test_wide_recipes_refuses_a_value_of_the_wrong_type_in_one_line(tmp_path, ca
     assert main(["recipes", str(p)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f'error: {p}: [train] steps must be an integer, got "5" (a string) (write it without quotes)']
+
+
+ALPHA_FIX = "(the LoRA update is scaled by alpha / rank: 0 leaves the model unchanged)"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--lora-alpha", "0"], f"error: lora-alpha 0.0 must be > 0 {ALPHA_FIX}"),
+    (["--lora-alpha", "-2"], f"error: lora-alpha -2.0 must be > 0 {ALPHA_FIX}"),
+    (["--lora-alpha", "nan"], "error: lora-alpha nan must be a finite number"),
+    (["--lora-alpha", "inf"], "error: lora-alpha inf must be a finite number"),
+    (["--sparsity-weight", "nan"], "error: sparsity-weight nan must be a finite number"),
+    (["--sparsity-weight", "-inf"], "error: sparsity-weight -inf must be a finite number"),
+    (["--sparsity-weight", "-1"], "error: sparsity-weight -1.0 must be >= 0"),
+    (["--lr", "inf"], "error: lr inf must be a finite number"),
+    (["--lora-lr", "nan"], "error: lora-lr nan must be a finite number"),
+    (["--tau-start", "inf"], "error: tau-start inf must be a finite number"),
+])
+def test_non_finite_and_out_of_range_numbers_are_refused_before_any_work(tmp_path, text_file, capsys, flags, message):
+    from wide_cli.cli.app import main
+
+    run = tmp_path / "run"
+    code = main(["prune", "tiny-llama", "--data", str(text_file), "--lora", "--run-dir", str(run), "--steps", "1",
+                 "--seq-len", "32", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert err == [message]
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[stage2]\nlora_alpha = nan\n", "lora-alpha nan must be a finite number"),
+    ("[train]\nweight_decay = -0.1\n", "weight-decay -0.1 must be >= 0"),
+    ("[train]\nweight_decay = inf\n", "weight-decay inf must be a finite number"),
+    ("[train]\ngrad_clip = nan\n", "grad-clip nan must be a finite number"),
+    ("[train]\ngrad_clip = -1.0\n", "grad-clip -1.0 must be >= 0"),
+    ("[routing]\ncost_target = nan\n", "cost-target nan must be a finite number"),
+])
+def test_recipe_numbers_must_be_finite_and_in_range(tmp_path, text, message):
+    with pytest.raises(ConfigError) as e:
+        load_recipe(_write(tmp_path, text))
+    assert e.value.message == message

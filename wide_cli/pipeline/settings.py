@@ -16,7 +16,7 @@ from pathlib import Path
 
 import tomllib
 
-from wide_cli.errors import ConfigError
+from wide_cli.errors import ConfigError, refuse_non_finite
 from wide_cli.routing.config import RoutingConfig
 from wide_cli.train.config import TrainConfig
 
@@ -54,6 +54,7 @@ class DataSection:
     self_generated_tokens: int = 192
 
     def __post_init__(self):
+        refuse_non_finite(self)
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ConfigError(f"heldout-fraction {self.heldout_fraction} must be in [0, 1)")
         if self.self_generated < 0 or self.self_generated_tokens < 1:
@@ -79,8 +80,14 @@ class Stage2Config:
     joint: bool = False
 
     def __post_init__(self):
+        refuse_non_finite(self, {"lr": "lora-lr"})
         if self.steps < 1:
             raise ConfigError(f"stage2 steps {self.steps} must be >= 1")
+        if not self.lr > 0:
+            raise ConfigError(f"lora-lr {self.lr} must be > 0")
+        if not self.lora_alpha > 0:
+            raise ConfigError(f"lora-alpha {self.lora_alpha} must be > 0",
+                              "the LoRA update is scaled by alpha / rank: 0 leaves the model unchanged")
         if self.lora_rank < 1:
             raise ConfigError(f"lora-rank {self.lora_rank} must be >= 1")
         if not 0 <= self.lora_dropout < 1:
