@@ -79,7 +79,8 @@ SPARSITY_FLAGS = ("sparsity", "sparsity_attention", "sparsity_ffn")
 # Option declarations shared by `prune` and the stage commands.
 Data = Annotated[str | None, typer.Option("--data", help="Training data: file, directory, HF dataset id or builtin:pydoc.")]
 EvalData = Annotated[str | None, typer.Option("--eval-data", help="Text for perplexity (default: held-out split of --data).")]
-HeldoutFraction = Annotated[float | None, typer.Option("--heldout-fraction", help="Share of packed sequences held out of training.")]
+HeldoutFraction = Annotated[float | None, typer.Option("--heldout-fraction", help=(
+    "Share of packed sequences held out of training, for the evaluation (default 0.1); 0 needs --eval-data FILE."))]
 MaxTrainTokens = Annotated[int | None, typer.Option("--max-train-tokens", help="Cap on tokenised training data.")]
 SelfGenerated = Annotated[int | None, typer.Option("--self-generated", help="Add N chat transcripts written by the dense model itself to the training data (chat models; 0 = none).")]
 ShuffleDocs = Annotated[bool | None, typer.Option("--shuffle-documents/--no-shuffle-documents", help="Shuffle documents before packing (default on).")]

@@ -307,11 +307,27 @@ def _write_failure(e: Exception) -> str | None:
 
 
 # ----------------------------------------------------------------------------- evaluate
+def check_eval_data(settings: Settings) -> None:
+    """Refuse settings that leave the evaluation nothing to read: no ``data.eval`` and no
+    held-out split (``heldout_fraction`` 0). Cheap, so ``prune`` calls it before calibrating.
+
+    Raises:
+        ConfigError: naming the fraction and both fixes.
+    """
+    if not settings.data.eval and settings.data.heldout_fraction == 0:
+        raise ConfigError("--heldout-fraction 0 leaves no held-out data to evaluate on",
+                          "pass --eval-data FILE or --heldout-fraction > 0")
+
+
 def eval_stream(settings: Settings, tokenizer, run: RunDir) -> tuple[torch.Tensor, str]:
     """The token stream for perplexity: ``data.eval`` when set, else the held-out split.
 
     Returns ``(ids [N] int64, description)``.
+
+    Raises:
+        ConfigError: neither (``check_eval_data``).
     """
+    check_eval_data(settings)
     if settings.data.eval:
         from wide_cli.data.sources import read_documents
 
