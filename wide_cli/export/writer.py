@@ -17,17 +17,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from wide_cli.artifacts import (
-    EXPORT_FORMAT_VERSION,
-    ROUTERS_FILE,
-    WIDE_CONFIG,
-    backbone_state_dict,
-    check_export_target,
-)
+from wide_cli.artifacts import EXPORT_FORMAT_VERSION, backbone_state_dict, check_export_target
 from wide_cli.atomic import atomic_directory, atomic_write_json
 from wide_cli.errors import CheckpointError
 from wide_cli.export.manifest import write_manifest
 from wide_cli.export.model_card import write_model_card
+from wide_cli.filenames import MANIFEST, ROUTERS_FILE, WEIGHTS_FILE, WIDE_CONFIG
 from wide_cli.routing.model import router_state_dict
 from wide_cli.version import __version__
 
@@ -107,7 +102,7 @@ def export_model(
             model.config.save_pretrained(tmp)
             if getattr(model, "generation_config", None) is not None:
                 model.generation_config.save_pretrained(tmp)
-            save_file(qsd, str(tmp / "model.safetensors"), metadata={"format": "pt", "wide_weight_format": "int8"})
+            save_file(qsd, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "wide_weight_format": "int8"})
             tokenizer.save_pretrained(tmp)
             if routers:
                 save_file(routers, str(tmp / ROUTERS_FILE), metadata={"format": "pt", "wide_export_id": export_id})
@@ -130,6 +125,6 @@ def export_model(
         atomic_write_json(tmp / WIDE_CONFIG, cfg)
         write_model_card(tmp, cfg, export_format=export_format, name=Path(out_dir).name)
         manifest = write_manifest(tmp, export_id=export_id, weight_format=weight_format)
-    files = sorted(manifest["files"]) + ["manifest.json"]
+    files = sorted(manifest["files"]) + [MANIFEST]
     total = sum(v["size"] for v in manifest["files"].values())
     return ExportResult(Path(out_dir), export_id, files, total)

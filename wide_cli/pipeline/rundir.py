@@ -12,9 +12,9 @@ from pathlib import Path
 from wide_cli.artifacts import RUN_FORMAT_VERSION, check_format_version
 from wide_cli.atomic import atomic_write_json
 from wide_cli.errors import CheckpointError
+from wide_cli.filenames import RUN_JSON
 from wide_cli.version import __version__
 
-RUN_JSON = "run.json"
 LOCK = ".lock"
 
 

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from wide_cli.artifacts import ADAPTER_FILE, STATS_FILE, is_router_tensor
+from wide_cli.artifacts import is_router_tensor
 from wide_cli.atomic import atomic_write_json
 from wide_cli.errors import CheckpointError, ConfigError
+from wide_cli.filenames import ADAPTER_FILE, RESULT_JSON, STATS_FILE
 from wide_cli.pipeline.common import load_backbone, packed_data, stage_identity
 from wide_cli.pipeline.routers import (
     attach,
@@ -209,7 +210,7 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
     layout = resolve_groups(settings.routing, state.shape, warn=False)
     train_info = {}
     for stage in ("stage1", "stage2"):
-        p = getattr(run, stage) / "result.json"
+        p = getattr(run, stage) / RESULT_JSON
         if p.is_file():
             r = json.loads(p.read_text())
             train_info[stage] = {k: r.get(k) for k in ("steps", "tokens", "seconds", "final")}

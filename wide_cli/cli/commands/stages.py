@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from wide_cli.cli import options
+from wide_cli.filenames import ADAPTER_FILE, RUN_JSON
 
 
 def _settings_for_run(run_dir: Path, recipe: str | None, flags: dict, model: str | None = None):
@@ -27,7 +28,7 @@ def _settings_for_run(run_dir: Path, recipe: str | None, flags: dict, model: str
     elif recorded is not None:
         raw = dict(recorded["settings"])
         try:
-            base = settings_from_dict(raw, origin=str(run.root / "run.json"))
+            base = settings_from_dict(raw, origin=str(run.root / RUN_JSON))
         except ConfigError as e:
             by = recorded.get("wide_version")
             if not _newer(by):
@@ -201,7 +202,7 @@ def export_cmd(
         raise ConfigError("--weights int8 is stored only in --format wide exports (for wide's runtime)",
                           "drop --format hf, or export fp32 weights")
     run, settings = _settings_for_run(run_dir, None, {"lora": lora})
-    if lora and not (run.stage2 / "adapter.safetensors").is_file():
+    if lora and not (run.stage2 / ADAPTER_FILE).is_file():
         raise ConfigError(f"--lora: {run.stage2} holds no trained adapter",
                           f"run `wide train --run-dir {run.root} --stage 2` first, or drop --lora")
     quiet_libraries()
