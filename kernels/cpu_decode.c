@@ -26,7 +26,8 @@
  * beside PyTorch's would spin against it on a small machine). Workers spin briefly, then sleep.
  *
  * Built by wide_cli/runtime/cpu_native.py with the system C compiler (-O3 -march=native); the
- * AVX-512 paths are used when the compiler targets them, portable C otherwise.
+ * AVX-512 paths are used when the compiler targets them, their 8-lane AVX2 + FMA twins on CPUs
+ * without AVX-512, portable C otherwise.
  */
 #include <math.h>
 #include <pthread.h>
@@ -43,9 +44,12 @@
 #if defined(__AVX512BF16__)
 #define WIDE_BF16DP 1 /* bf16 pair dot products (vdpbf16ps): 32 multiply-adds per instruction */
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define WIDE_AVX2 1 /* 8-lane twins of the AVX-512 kernels (int8 with fp32 activations, bf16 widened) */
 #endif
 
-#define WIDE_DECODE_ABI 4
+#define WIDE_DECODE_ABI 5
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2 };
 
@@ -111,6 +115,20 @@ static inline __m512 ld_i8(const int8_t *w) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
 }
 #endif
+#if defined(WIDE_AVX2)
+/* The same loaders 8 lanes wide: AVX2 + FMA machines (no AVX-512) run the 8-lane twins below. */
+static inline __m256 ld_f32(const float *w) { return _mm256_loadu_ps(w); }
+static inline __m256 ld_bf16(const uint16_t *w) {
+    __m128i v = _mm_loadu_si128((const __m128i *)w);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
 static inline float cv_f32(const float *w, int64_t k) { return w[k]; }
 static inline float cv_bf16(const uint16_t *w, int64_t k) { return bf16_to_f32(w[k]); }
 static inline float cv_i8(const int8_t *w, int64_t k) { return (float)w[k]; }
@@ -157,6 +175,44 @@ static inline float cv_i8(const int8_t *w, int64_t k) { return (float)w[k]; }
         for (; k < K; k++) s0 += CV(w0, k) * x[k];                                                   \
         y[r] = s0;                                                                                   \
     }
+#elif defined(WIDE_AVX2)
+#define PREFETCH_ROWS(p, K)                                                                          \
+    do {                                                                                             \
+        _mm_prefetch((const char *)((p) + 8 * (K)), _MM_HINT_T0);                                    \
+        _mm_prefetch((const char *)((p) + 9 * (K)), _MM_HINT_T0);                                    \
+        _mm_prefetch((const char *)((p) + 10 * (K)), _MM_HINT_T0);                                   \
+        _mm_prefetch((const char *)((p) + 11 * (K)), _MM_HINT_T0);                                   \
+    } while (0)
+#define DOT_BODY(T, LD, CV)                                                                          \
+    int64_t r = 0;                                                                                   \
+    for (; r + 4 <= n; r += 4) {                                                                     \
+        const T *w0 = W + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;                           \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                  \
+        int64_t k = 0;                                                                               \
+        for (; k + 8 <= K; k += 8) {                                                                 \
+            __m256 xv = _mm256_loadu_ps(x + k);                                                      \
+            if (k % 32 == 0) PREFETCH_ROWS(w0 + k, K);                                               \
+            a0 = _mm256_fmadd_ps(LD(w0 + k), xv, a0);                                                \
+            a1 = _mm256_fmadd_ps(LD(w1 + k), xv, a1);                                                \
+            a2 = _mm256_fmadd_ps(LD(w2 + k), xv, a2);                                                \
+            a3 = _mm256_fmadd_ps(LD(w3 + k), xv, a3);                                                \
+        }                                                                                            \
+        float s0 = hsum8(a0), s1 = hsum8(a1), s2 = hsum8(a2), s3 = hsum8(a3);                        \
+        for (; k < K; k++) {                                                                         \
+            s0 += CV(w0, k) * x[k]; s1 += CV(w1, k) * x[k];                                          \
+            s2 += CV(w2, k) * x[k]; s3 += CV(w3, k) * x[k];                                          \
+        }                                                                                            \
+        y[r] = s0; y[r + 1] = s1; y[r + 2] = s2; y[r + 3] = s3;                                      \
+    }                                                                                                \
+    for (; r < n; r++) {                                                                             \
+        const T *w0 = W + r * K;                                                                     \
+        __m256 a0 = _mm256_setzero_ps();                                                             \
+        int64_t k = 0;                                                                               \
+        for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(LD(w0 + k), _mm256_loadu_ps(x + k), a0);     \
+        float s0 = hsum8(a0);                                                                        \
+        for (; k < K; k++) s0 += CV(w0, k) * x[k];                                                   \
+        y[r] = s0;                                                                                   \
+    }
 #else
 #define DOT_BODY(T, LD, CV)                                                                          \
     for (int64_t r = 0; r < n; r++) {                                                                \
@@ -198,6 +254,53 @@ static void dot_i8_blocks(const int8_t *W, const float *S, int64_t K, int64_t n,
         y[r] = acc;
     }
 }
+
+#if defined(WIDE_AVX2)
+/* dot_i8_blocks on AVX2 + FMA (fp32 activations): per 64-byte chunk of a row, its 8-byte groups
+ * (4 bytes of each of the chunk's two blocks, I8_LAYOUT) widened to 8 fp32 lanes against the
+ * matching activations [x(block 0) 4 | x(block 1) 4]; the chunk's sums are scaled per half by the
+ * two blocks' scales. Four rows share the activation loads. */
+static inline __m256 i8_w8(const int8_t *w) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+}
+
+static void dot_i8_avx2(const int8_t *W, const float *S, int64_t K, int64_t n, const float *x, float *y) {
+    const int64_t nb = K / 32, nc = K / 64;
+    int64_t r = 0;
+    for (; r < n; r += 4) {
+        const int64_t rn = n - r < 4 ? n - r : 4;
+        const int8_t *w[4];
+        const float *sr[4];
+        for (int i = 0; i < 4; i++) {
+            w[i] = W + (r + (i < rn ? i : 0)) * K; /* rows past n recompute row r (not stored) */
+            sr[i] = S + (r + (i < rn ? i : 0)) * nb;
+        }
+        __m256 tot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t c = 0; c < nc; c++) {
+            const float *xc = x + 64 * c;
+            _mm_prefetch((const char *)(w[0] + 64 * c + 8 * K), _MM_HINT_T0);
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t q = 0; q < 8; q++) {
+                const __m256 xq = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(xc + 4 * q)), _mm_loadu_ps(xc + 32 + 4 * q), 1);
+                for (int i = 0; i < 4; i++) acc[i] = _mm256_fmadd_ps(i8_w8(w[i] + 64 * c + 8 * q), xq, acc[i]);
+            }
+            for (int i = 0; i < 4; i++) {
+                const __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sr[i][2 * c])), _mm_set1_ps(sr[i][2 * c + 1]), 1);
+                tot[i] = _mm256_fmadd_ps(acc[i], sv, tot[i]);
+            }
+        }
+        if (nb % 2) { /* the trailing block of 32, natural order */
+            const int64_t k0 = 64 * nc;
+            for (int i = 0; i < 4; i++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t k = k0; k < K; k += 8) acc = _mm256_fmadd_ps(i8_w8(w[i] + k), _mm256_loadu_ps(x + k), acc);
+                tot[i] = _mm256_fmadd_ps(acc, _mm256_set1_ps(sr[i][nb - 1]), tot[i]);
+            }
+        }
+        for (int i = 0; i < rn; i++) y[r + i] = hsum8(tot[i]);
+    }
+}
+#endif
 
 /* An input vector of a projection with the forms the fast kernels read, prepared once per vector:
  * - int8 weights (VNNI): x quantized per block of QBLOCK values, symmetric, scale max|x| / 127 (as
@@ -250,6 +353,18 @@ static Vec prepare_vec(int64_t fmt, const float *x, int64_t K) {
             q1 = _mm512_max_ps(_mm512_min_ps(q1, lim), nlim);
             _mm_storeu_si128((__m128i *)(g_qa + b * QBLOCK), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q0)));
             _mm_storeu_si128((__m128i *)(g_qa + b * QBLOCK + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q1)));
+            g_qs[b] = amax / 127.0f;
+        }
+        v.qa = g_qa; v.qs = g_qs;
+    }
+#elif defined(WIDE_AVX2)
+    if (fmt == FMT_I8 && K % QBLOCK == 0 && K <= g_vec_cap) { /* the same rounding, scalar */
+        for (int64_t b = 0; b < K / QBLOCK; b++) {
+            const float *xb = x + b * QBLOCK;
+            float amax = 0.f;
+            for (int64_t i = 0; i < QBLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            const float inv = amax > 0.f ? 127.0f / amax : 0.f;
+            for (int64_t i = 0; i < QBLOCK; i++) g_qa[b * QBLOCK + i] = (int8_t)fmaxf(-127.f, fminf(127.f, nearbyintf(xb[i] * inv)));
             g_qs[b] = amax / 127.0f;
         }
         v.qa = g_qa; v.qs = g_qs;
@@ -373,6 +488,58 @@ static void dot_bf16_dp(const uint16_t *W, int64_t K, int64_t n, const uint16_t 
 }
 #endif
 
+#if defined(WIDE_AVX2)
+/* int8 x int8 on AVX2 (vpmaddubsw + vpmaddwd, as llama.cpp's Q8_0 without VNNI): the activations
+ * rounded to int8 per block (Vec.qa, qs), |q| times the weights with q's sign moved onto them. The
+ * 32 bytes of half a chunk in I8_LAYOUT pair with [q0 4 | q1 4] groups (unpacklo/hi of the two
+ * blocks' activations); the int32 lanes alternate between the two blocks, as in dot_i8_vnni. */
+static inline __m256i i8_dot32(__m256i w, __m256i qa, __m256i qsgn) {
+    const __m256i p16 = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(w, qsgn)); /* |q| <= 127: no saturation */
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+static void dot_i8_q_avx2(const int8_t *W, const float *S, int64_t K, int64_t n, const int8_t *qx, const float *qs, float *y) {
+    const int64_t nb = K / QBLOCK, nc = nb / 2;
+    for (int64_t r = 0; r < n; r += 4) {
+        const int64_t rn = n - r < 4 ? n - r : 4;
+        const int8_t *w[4];
+        const float *sr[4];
+        for (int i = 0; i < 4; i++) {
+            w[i] = W + (r + (i < rn ? i : 0)) * K; /* rows past n recompute row r (not stored) */
+            sr[i] = S + (r + (i < rn ? i : 0)) * nb;
+        }
+        __m256 tot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t c = 0; c < nc; c++) {
+            const int8_t *q = qx + 64 * c;
+            const __m128i b0l = _mm_loadu_si128((const __m128i *)q), b0h = _mm_loadu_si128((const __m128i *)(q + 16));
+            const __m128i b1l = _mm_loadu_si128((const __m128i *)(q + 32)), b1h = _mm_loadu_si128((const __m128i *)(q + 48));
+            const __m256i x0 = _mm256_set_m128i(_mm_unpackhi_epi32(b0l, b1l), _mm_unpacklo_epi32(b0l, b1l));
+            const __m256i x1 = _mm256_set_m128i(_mm_unpackhi_epi32(b0h, b1h), _mm_unpacklo_epi32(b0h, b1h));
+            const __m256i a0 = _mm256_sign_epi8(x0, x0), a1 = _mm256_sign_epi8(x1, x1);
+            const float sx0 = qs[2 * c], sx1 = qs[2 * c + 1];
+            _mm_prefetch((const char *)(w[0] + 64 * c + 8 * K), _MM_HINT_T0);
+            for (int i = 0; i < 4; i++) {
+                const int8_t *wc = w[i] + 64 * c;
+                __m256i acc = _mm256_add_epi32(i8_dot32(_mm256_loadu_si256((const __m256i *)wc), a0, x0),
+                                               i8_dot32(_mm256_loadu_si256((const __m256i *)(wc + 32)), a1, x1));
+                float pair[2] = {sr[i][2 * c] * sx0, sr[i][2 * c + 1] * sx1};
+                double d;
+                memcpy(&d, pair, 8);
+                tot[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_castpd_ps(_mm256_set1_pd(d)), tot[i]);
+            }
+        }
+        if (nb % 2) { /* the trailing block of 32, natural order */
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 64 * nc)), a = _mm256_sign_epi8(x, x);
+            for (int i = 0; i < 4; i++) {
+                const __m256i acc = i8_dot32(_mm256_loadu_si256((const __m256i *)(w[i] + 64 * nc)), a, x);
+                tot[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(sr[i][nb - 1] * qs[nb - 1]), tot[i]);
+            }
+        }
+        for (int i = 0; i < rn; i++) y[r + i] = hsum8(tot[i]);
+    }
+}
+#endif
+
 /* y[i] = W[r0 + i] . v for rows [r0, r1) of an axis-n projection (int8: S [N, K / 32] scales). */
 static void rows_dot(int64_t fmt, const void *W, const float *S, int64_t K, int64_t r0, int64_t r1,
                      const Vec *v, float *y) {
@@ -389,6 +556,11 @@ static void rows_dot(int64_t fmt, const void *W, const float *S, int64_t K, int6
         const float *Sr = S + r0 * (K / QBLOCK);
 #ifdef WIDE_VNNI
         if (v->qa) dot_i8_vnni(Wq, Sr, K, n, v, y);
+        else
+#endif
+#if defined(WIDE_AVX2)
+        if (v->qa) dot_i8_q_avx2(Wq, Sr, K, n, v->qa, v->qs, y);
+        else if (K % 32 == 0) dot_i8_avx2(Wq, Sr, K, n, v->x, y);
         else
 #endif
         dot_i8_blocks(Wq, Sr, K, n, v->x, y);
@@ -412,6 +584,29 @@ static void rows_dot(int64_t fmt, const void *W, const float *S, int64_t K, int6
             acc = _mm512_fmadd_ps(LD(w2 + i), b2, acc);                                              \
             acc = _mm512_fmadd_ps(LD(w3 + i), b3, acc);                                              \
             _mm512_storeu_ps(y + i, acc);                                                            \
+        }                                                                                            \
+        for (; i < N; i++)                                                                           \
+            y[i] += CV(w0, i) * a[c] + CV(w1, i) * a[c + 1] + CV(w2, i) * a[c + 2] + CV(w3, i) * a[c + 3]; \
+    }                                                                                                \
+    for (; c < C; c++) {                                                                             \
+        const T *w0 = Wt + c * ld;                                                                   \
+        for (int64_t i = 0; i < N; i++) y[i] += CV(w0, i) * a[c];                                    \
+    }
+#elif defined(WIDE_AVX2)
+#define AXPY_BODY(T, LD, CV)                                                                         \
+    int64_t c = 0;                                                                                   \
+    for (; c + 4 <= C; c += 4) {                                                                     \
+        const T *w0 = Wt + c * ld, *w1 = w0 + ld, *w2 = w1 + ld, *w3 = w2 + ld;                      \
+        __m256 b0 = _mm256_set1_ps(a[c]), b1 = _mm256_set1_ps(a[c + 1]);                             \
+        __m256 b2 = _mm256_set1_ps(a[c + 2]), b3 = _mm256_set1_ps(a[c + 3]);                         \
+        int64_t i = 0;                                                                               \
+        for (; i + 8 <= N; i += 8) {                                                                 \
+            __m256 acc = _mm256_loadu_ps(y + i);                                                     \
+            acc = _mm256_fmadd_ps(LD(w0 + i), b0, acc);                                              \
+            acc = _mm256_fmadd_ps(LD(w1 + i), b1, acc);                                              \
+            acc = _mm256_fmadd_ps(LD(w2 + i), b2, acc);                                              \
+            acc = _mm256_fmadd_ps(LD(w3 + i), b3, acc);                                              \
+            _mm256_storeu_ps(y + i, acc);                                                            \
         }                                                                                            \
         for (; i < N; i++)                                                                           \
             y[i] += CV(w0, i) * a[c] + CV(w1, i) * a[c + 1] + CV(w2, i) * a[c + 2] + CV(w3, i) * a[c + 3]; \
@@ -710,6 +905,13 @@ static inline float dot_head(const float *q, const void *k, int64_t d, int64_t b
             a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), bf ? ld_bf16((const uint16_t *)k + i) : ld_f32((const float *)k + i), a);
         return _mm512_reduce_add_ps(a);
     }
+#elif defined(WIDE_AVX2)
+    if (d % 8 == 0) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), bf ? ld_bf16((const uint16_t *)k + i) : ld_f32((const float *)k + i), a);
+        return hsum8(a);
+    }
 #endif
     float s = 0.f;
     for (int64_t i = 0; i < d; i++) s += q[i] * load_act(k, i, bf);
@@ -723,6 +925,14 @@ static inline void axpy_head(float *o, float p, const void *v, int64_t d, int64_
         for (int64_t i = 0; i < d; i += 16)
             _mm512_storeu_ps(o + i, _mm512_fmadd_ps(bf ? ld_bf16((const uint16_t *)v + i) : ld_f32((const float *)v + i), pv,
                                                     _mm512_loadu_ps(o + i)));
+        return;
+    }
+#elif defined(WIDE_AVX2)
+    if (d % 8 == 0) {
+        const __m256 pv = _mm256_set1_ps(p);
+        for (int64_t i = 0; i < d; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_fmadd_ps(bf ? ld_bf16((const uint16_t *)v + i) : ld_f32((const float *)v + i), pv,
+                                                    _mm256_loadu_ps(o + i)));
         return;
     }
 #endif
@@ -894,6 +1104,352 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
     cnt[3] += nf * wbytes(fmt, D, fg);
     for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
     add_standins(L->sf, exf, L->GF, D, bf, x, tmpD);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Prefill GEMM: out[orow(i), n] (+)= sum_k A[arow(i), k] B(n, k) for i < M, n < N.
+ *
+ * Why: prefill and batched calls are compute-bound, and the PyTorch CPU build runs bf16 GEMMs far
+ * below its fp32 rate (~7 against ~55 GFLOP/s, 1 thread, on an EPYC with AVX512-BF16): the
+ * runtime's bf16 and int8 prefill paid ~10x for their format. This kernel runs both formats at the
+ * FMA rate (bf16 with AVX512-BF16: vdpbf16ps, twice the multiply-adds per instruction), and gathers
+ * the rows a routed group executes (arows) and scatters its outputs (orows) itself, so a
+ * mixture-of-groups layer needs no index_select / index_add copies.
+ *
+ * B is either rows [N, K] (axis-n projections) or w_t [K, N] (axis-k), row stride ldb elements.
+ * Per thread, a panel of GEMM_NR output columns is packed k-major once (fp32; bf16 as k-pairs
+ * [K/2][NR][2], the operand order of vdpbf16ps, where AVX-512 runs it, else widened to fp32) and
+ * swept by all M rows in tiles of GEMM_MR x GEMM_NR held in registers (the outer-product kernel of
+ * BLIS / GotoBLAS, without their cache blocking of K: K <= a few thousand here, a panel stays in
+ * L2). Threads split the panels. Without AVX-512, bf16
+ * activations are widened to fp32 once per call. */
+
+#if defined(WIDE_AVX512)
+#define GEMM_NR 32
+#define GEMM_MR 8
+#define GEMM_BF16_PAIRS 1
+#elif defined(WIDE_AVX2)
+#define GEMM_NR 16
+#define GEMM_MR 6
+#define GEMM_BF16_PAIRS 0
+#else
+#define GEMM_NR 16
+#define GEMM_MR 4
+#define GEMM_BF16_PAIRS 0
+#endif
+
+typedef struct {
+    int64_t afmt, bfmt, ofmt, layout, N, K, M, lda, ldb, ldo, accumulate;
+    const void *A, *B;
+    const int64_t *arows, *orows;
+    void *out;
+    int64_t err;
+} GemmJob;
+
+static inline const void *gemm_arow(const GemmJob *j, int64_t i) {
+    int64_t r = j->arows ? j->arows[i] : i;
+    return (const char *)j->A + r * j->lda * (j->afmt == FMT_BF16 ? 2 : 4);
+}
+
+static inline void *gemm_orow(const GemmJob *j, int64_t i) {
+    int64_t r = j->orows ? j->orows[i] : i;
+    return (char *)j->out + r * j->ldo * (j->ofmt == FMT_BF16 ? 2 : 4);
+}
+
+static inline float gemm_b(const GemmJob *j, int64_t idx) {
+    return j->bfmt == FMT_BF16 ? bf16_to_f32(((const uint16_t *)j->B)[idx]) : ((const float *)j->B)[idx];
+}
+
+/* Pack columns [n0, n0 + nc) (nc <= GEMM_NR; the rest zero) k-major into P. */
+static void gemm_pack(const GemmJob *j, int64_t n0, int64_t nc, void *P) {
+    const int64_t K = j->K, ldb = j->ldb;
+    if (j->bfmt == FMT_BF16 && GEMM_BF16_PAIRS) {
+        const uint16_t *B = (const uint16_t *)j->B;
+        uint16_t *p = (uint16_t *)P;
+        if (nc < GEMM_NR) memset(p, 0, 2 * K * GEMM_NR);
+        if (j->layout == 0) {
+            for (int64_t c = 0; c < nc; c++) {
+                const uint16_t *b = B + (n0 + c) * ldb;
+                for (int64_t k = 0; k < K; k += 2) memcpy(p + k * GEMM_NR + 2 * c, b + k, 4);
+            }
+        } else {
+            for (int64_t k = 0; k < K; k += 2)
+                for (int64_t c = 0; c < nc; c++) {
+                    p[k * GEMM_NR + 2 * c] = B[k * ldb + n0 + c];
+                    p[k * GEMM_NR + 2 * c + 1] = B[(k + 1) * ldb + n0 + c];
+                }
+        }
+        return;
+    }
+    float *p = (float *)P;
+    if (nc < GEMM_NR) memset(p, 0, sizeof(float) * K * GEMM_NR);
+    /* one loop per format and layout, branch-free inside, so the compiler vectorizes them */
+    if (j->bfmt == FMT_BF16) {
+        const uint16_t *B = (const uint16_t *)j->B;
+        if (j->layout == 0)
+            for (int64_t c = 0; c < nc; c++)
+                for (int64_t k = 0; k < K; k++) p[k * GEMM_NR + c] = bf16_to_f32(B[(n0 + c) * ldb + k]);
+        else
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t c = 0; c < nc; c++) p[k * GEMM_NR + c] = bf16_to_f32(B[k * ldb + n0 + c]);
+    } else {
+        const float *B = (const float *)j->B;
+        if (j->layout == 0)
+            for (int64_t c = 0; c < nc; c++)
+                for (int64_t k = 0; k < K; k++) p[k * GEMM_NR + c] = B[(n0 + c) * ldb + k];
+        else
+            for (int64_t k = 0; k < K; k++) memcpy(p + k * GEMM_NR, B + k * ldb + n0, sizeof(float) * nc);
+    }
+}
+
+/* Write one tile row's nc sums s[] to output row i at column n0 (fp32 or bf16, += if accumulate). */
+static inline void gemm_store_row(const GemmJob *j, int64_t i, int64_t n0, int64_t nc, const float *s) {
+    void *o = gemm_orow(j, i);
+    if (j->ofmt == FMT_BF16) {
+        uint16_t *ob = (uint16_t *)o + n0;
+        for (int64_t c = 0; c < nc; c++) ob[c] = f32_to_bf16(j->accumulate ? bf16_to_f32(ob[c]) + s[c] : s[c]);
+    } else {
+        float *of = (float *)o + n0;
+        if (j->accumulate)
+            for (int64_t c = 0; c < nc; c++) of[c] += s[c];
+        else
+            memcpy(of, s, sizeof(float) * nc);
+    }
+}
+
+/* One tile: rows [i0, i0 + mr) x the panel's nc columns (j->out already offset to the panel's
+ * first column). P: the packed panel. Rows past mr recompute row i0 (not stored), so the kernel
+ * has one shape. */
+static void gemm_tile(const GemmJob *j, int64_t i0, int64_t mr, const void *P, int64_t nc) {
+    const int64_t ps = GEMM_NR;
+    const int64_t K = j->K;
+    const void *a[GEMM_MR];
+    for (int r = 0; r < GEMM_MR; r++) a[r] = gemm_arow(j, i0 + (r < mr ? r : 0));
+    float s[GEMM_MR][GEMM_NR];
+#if defined(WIDE_AVX512)
+    __m512 c[GEMM_MR][2];
+    for (int r = 0; r < GEMM_MR; r++) c[r][0] = c[r][1] = _mm512_setzero_ps();
+    if (j->afmt == FMT_F32) {
+        const float *p = (const float *)P;
+        for (int64_t k = 0; k < K; k++) {
+            __m512 b0 = _mm512_loadu_ps(p + k * ps), b1 = _mm512_loadu_ps(p + k * ps + 16);
+#pragma GCC unroll 8
+            for (int r = 0; r < GEMM_MR; r++) {
+                __m512 x = _mm512_set1_ps(((const float *)a[r])[k]);
+                c[r][0] = _mm512_fmadd_ps(x, b0, c[r][0]);
+                c[r][1] = _mm512_fmadd_ps(x, b1, c[r][1]);
+            }
+        }
+    } else {
+        const uint16_t *p = (const uint16_t *)P;
+        for (int64_t k = 0; k < K; k += 2) {
+#ifdef WIDE_BF16DP
+            __m512bh b0 = (__m512bh)_mm512_loadu_si512(p + k * GEMM_NR), b1 = (__m512bh)_mm512_loadu_si512(p + k * GEMM_NR + 32);
+#pragma GCC unroll 8
+            for (int r = 0; r < GEMM_MR; r++) {
+                uint32_t pair;
+                memcpy(&pair, (const uint16_t *)a[r] + k, 4);
+                __m512bh x = (__m512bh)_mm512_set1_epi32((int)pair);
+                c[r][0] = _mm512_dpbf16_ps(c[r][0], x, b0);
+                c[r][1] = _mm512_dpbf16_ps(c[r][1], x, b1);
+            }
+#else
+            const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000);
+            __m512i w0 = _mm512_loadu_si512(p + k * GEMM_NR), w1 = _mm512_loadu_si512(p + k * GEMM_NR + 32);
+            __m512 lo0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)), hi0 = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));
+            __m512 lo1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)), hi1 = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));
+            for (int r = 0; r < GEMM_MR; r++) {
+                const uint16_t *ar = (const uint16_t *)a[r];
+                __m512 x0 = _mm512_set1_ps(bf16_to_f32(ar[k])), x1 = _mm512_set1_ps(bf16_to_f32(ar[k + 1]));
+                c[r][0] = _mm512_fmadd_ps(x1, hi0, _mm512_fmadd_ps(x0, lo0, c[r][0]));
+                c[r][1] = _mm512_fmadd_ps(x1, hi1, _mm512_fmadd_ps(x0, lo1, c[r][1]));
+            }
+#endif
+        }
+    }
+    for (int r = 0; r < GEMM_MR; r++) {
+        _mm512_storeu_ps(s[r], c[r][0]);
+        _mm512_storeu_ps(s[r] + 16, c[r][1]);
+    }
+#elif defined(WIDE_AVX2)
+    __m256 c[GEMM_MR][2];
+    for (int r = 0; r < GEMM_MR; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
+    const float *p = (const float *)P; /* A is fp32 here: bf16 activations were widened up front */
+    for (int64_t k = 0; k < K; k++) {
+        __m256 b0 = _mm256_loadu_ps(p + k * ps), b1 = _mm256_loadu_ps(p + k * ps + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < GEMM_MR; r++) {
+            __m256 x = _mm256_broadcast_ss((const float *)a[r] + k);
+            c[r][0] = _mm256_fmadd_ps(x, b0, c[r][0]);
+            c[r][1] = _mm256_fmadd_ps(x, b1, c[r][1]);
+        }
+    }
+    for (int r = 0; r < GEMM_MR; r++) {
+        _mm256_storeu_ps(s[r], c[r][0]);
+        _mm256_storeu_ps(s[r] + 8, c[r][1]);
+    }
+#else
+    const float *p = (const float *)P;
+    for (int r = 0; r < GEMM_MR; r++)
+        for (int c = 0; c < GEMM_NR; c++) s[r][c] = 0.f;
+    for (int64_t k = 0; k < K; k++)
+        for (int r = 0; r < GEMM_MR; r++) {
+            float x = ((const float *)a[r])[k];
+            for (int c = 0; c < GEMM_NR; c++) s[r][c] += x * p[k * ps + c];
+        }
+#endif
+    for (int r = 0; r < mr; r++) gemm_store_row(j, i0 + r, 0, nc, s[r]);
+}
+
+static void gemm_job(void *arg, int64_t part, int64_t parts) {
+    GemmJob *j = (GemmJob *)arg;
+    int64_t lo, hi;
+    split(j->N, part, parts, GEMM_NR, &lo, &hi);
+    if (lo >= hi) return;
+    const int64_t es = j->bfmt == FMT_BF16 && GEMM_BF16_PAIRS ? 2 : 4;
+    void *P = NULL;
+    for (int64_t n0 = lo; n0 < hi; n0 += GEMM_NR) {
+        int64_t nc = hi - n0 < GEMM_NR ? hi - n0 : GEMM_NR;
+        /* Packed even where fp32 w_t rows could be read in place: strided panel rows ran at
+         * ~2/3 of the packed rate (1024 x 3072 x 576, AVX2, 1 thread). */
+        if (!P && !(P = aligned_alloc(64, (size_t)(j->K * GEMM_NR * es + 63) / 64 * 64))) {
+            j->err = 1;
+            return;
+        }
+        gemm_pack(j, n0, nc, P);
+        /* the output column offset n0 goes into the row pointers via a shifted view of out */
+        GemmJob jt = *j;
+        jt.out = (char *)j->out + n0 * (j->ofmt == FMT_BF16 ? 2 : 4);
+        for (int64_t i0 = 0; i0 < j->M; i0 += GEMM_MR)
+            gemm_tile(&jt, i0, j->M - i0 < GEMM_MR ? j->M - i0 : GEMM_MR, P, nc);
+    }
+    free(P);
+}
+
+/* Few rows (batched decode): out[i, n] = dot(A[i], B[n]) over rows-layout B, no packing. The calls
+ * are bound by reading B once; packing a panel would read it twice and write it once. A is fp32
+ * here (widened up front), B fp32 or bf16 (widened on load). Each pair of B rows is read from
+ * memory once and reused from L1 by all M rows, four at a time. */
+#define GEMM_DOT_M 16
+
+static inline float gemm_dot_tail(const GemmJob *j, const float *a, int64_t n, int64_t k0) {
+    float s = 0.f;
+    for (int64_t k = k0; k < j->K; k++) s += a[k] * gemm_b(j, n * j->ldb + k);
+    return s;
+}
+
+#if defined(WIDE_AVX512)
+#define DOT_VW 16
+typedef __m512 dvec;
+static inline dvec dv_zero(void) { return _mm512_setzero_ps(); }
+static inline dvec dv_ld(const float *p) { return _mm512_loadu_ps(p); }
+static inline dvec dv_ldb(const GemmJob *j, int64_t idx) {
+    return j->bfmt == FMT_BF16 ? ld_bf16((const uint16_t *)j->B + idx) : _mm512_loadu_ps((const float *)j->B + idx);
+}
+static inline dvec dv_fma(dvec a, dvec b, dvec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float dv_sum(dvec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(WIDE_AVX2)
+#define DOT_VW 8
+typedef __m256 dvec;
+static inline dvec dv_zero(void) { return _mm256_setzero_ps(); }
+static inline dvec dv_ld(const float *p) { return _mm256_loadu_ps(p); }
+static inline dvec dv_ldb(const GemmJob *j, int64_t idx) {
+    return j->bfmt == FMT_BF16 ? ld_bf16((const uint16_t *)j->B + idx) : _mm256_loadu_ps((const float *)j->B + idx);
+}
+static inline dvec dv_fma(dvec a, dvec b, dvec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float dv_sum(dvec v) { return hsum8(v); }
+#endif
+
+static void gemm_dot_job(void *arg, int64_t part, int64_t parts) {
+    const GemmJob *j = (const GemmJob *)arg;
+    int64_t lo, hi;
+    split(j->N, part, parts, 2, &lo, &hi);
+    float s[4][2];
+    for (int64_t n = lo; n < hi; n += 2) {
+        const int64_t nn = hi - n < 2 ? 1 : 2, n1 = n + nn - 1; /* a lone last row is computed twice */
+        for (int64_t i0 = 0; i0 < j->M; i0 += 4) {
+            const int64_t mr = j->M - i0 < 4 ? j->M - i0 : 4;
+            const float *a[4];
+            for (int r = 0; r < 4; r++) a[r] = (const float *)gemm_arow(j, i0 + (r < mr ? r : 0));
+            int64_t k = 0;
+#ifdef DOT_VW
+            dvec c[4][2];
+            for (int r = 0; r < 4; r++) c[r][0] = c[r][1] = dv_zero();
+            for (; k + DOT_VW <= j->K; k += DOT_VW) {
+                dvec b0 = dv_ldb(j, n * j->ldb + k), b1 = dv_ldb(j, n1 * j->ldb + k);
+                for (int r = 0; r < 4; r++) {
+                    dvec x = dv_ld(a[r] + k);
+                    c[r][0] = dv_fma(x, b0, c[r][0]);
+                    c[r][1] = dv_fma(x, b1, c[r][1]);
+                }
+            }
+            for (int r = 0; r < 4; r++) s[r][0] = dv_sum(c[r][0]), s[r][1] = dv_sum(c[r][1]);
+#else
+            for (int r = 0; r < 4; r++) s[r][0] = s[r][1] = 0.f;
+#endif
+            for (int r = 0; r < mr; r++) {
+                float v[2] = {s[r][0] + gemm_dot_tail(j, a[r], n, k), s[r][1] + gemm_dot_tail(j, a[r], n1, k)};
+                gemm_store_row(j, i0 + r, n, nn, v);
+            }
+        }
+    }
+}
+
+/* Widen bf16 activation rows (gathered by arows) to a dense fp32 [M, K] buffer. */
+typedef struct {
+    const GemmJob *j;
+    float *dst;
+} WidenJob;
+
+static void widen_job(void *arg, int64_t part, int64_t parts) {
+    WidenJob *w = (WidenJob *)arg;
+    int64_t lo, hi;
+    split(w->j->M, part, parts, 1, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) {
+        const uint16_t *a = (const uint16_t *)gemm_arow(w->j, i);
+        for (int64_t k = 0; k < w->j->K; k++) w->dst[i * w->j->K + k] = bf16_to_f32(a[k]);
+    }
+}
+
+/* out[orows[i], :N] (+)= A[arows[i], :K] @ B^T for i < M (see the section comment). fmt: A and B
+ * (FMT_F32 or FMT_BF16); ofmt: out (fp32, or bf16 rounded to nearest even); layout 0: B [N, K],
+ * 1: B [K, N]; lda / ldb / ldo: row strides in elements; arows / orows: row indices or NULL
+ * (identity); accumulate: add to out instead of overwriting. Rows of orows must be distinct.
+ * Returns 0, or -1 for arguments it does not take (nothing written then): an int8 or unknown
+ * format, an odd K with bf16, non-positive sizes, an allocation failure. */
+int64_t wide_gemm(int64_t fmt, int64_t ofmt, int64_t layout, const void *B, int64_t ldb, int64_t N, int64_t K,
+                  const void *A, int64_t lda, const int64_t *arows, int64_t M, void *out, int64_t ldo,
+                  const int64_t *orows, int64_t accumulate, int64_t nthreads) {
+    if ((fmt != FMT_F32 && fmt != FMT_BF16) || (ofmt != FMT_F32 && ofmt != FMT_BF16) || (layout != 0 && layout != 1))
+        return -1;
+    if (N <= 0 || K <= 0 || M <= 0 || (fmt == FMT_BF16 && K % 2)) return -1;
+    if (nthreads != g_pool.n) pool_resize(nthreads);
+    GemmJob j = {fmt, fmt, ofmt, layout, N, K, M, lda, ldb, ldo, accumulate, A, B, arows, orows, out, 0};
+    float *wide = NULL;
+    const int64_t dot = layout == 0 && M <= GEMM_DOT_M;
+    if (fmt == FMT_BF16 && (dot || !GEMM_BF16_PAIRS)) {
+        if (!(wide = (float *)malloc(sizeof(float) * M * K))) return -1;
+        WidenJob w = {&j, wide};
+        pool_run(widen_job, &w);
+        j.afmt = FMT_F32;
+        j.A = wide;
+        j.arows = NULL;
+        j.lda = K;
+    }
+    pool_run(dot ? gemm_dot_job : gemm_job, &j);
+    free(wide);
+    return j.err ? -1 : 0;
+}
+
+/* Which vector code wide_gemm runs here: 2 AVX-512, 1 AVX2 + FMA, 0 the portable C twin. */
+int64_t wide_gemm_simd(void) {
+#if defined(WIDE_AVX512)
+    return 2;
+#elif defined(WIDE_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 int64_t wide_decode_abi(void) { return WIDE_DECODE_ABI; }

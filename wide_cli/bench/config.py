@@ -9,7 +9,7 @@ from wide_cli.errors import ConfigError
 # dense HF transformers; the runtime with routing off; the runtime's PyTorch decode step (without
 # the native batch-1 step, routed and dense: what the native step is measured against); llama.cpp
 SYSTEMS_FIXED = ("hf", "dense", "cpu-torch", "dense-torch", "llama.cpp")
-LLAMA_CPP_TYPES = ("F16", "Q8_0")
+LLAMA_CPP_TYPES = ("F16", "Q8_0", "Q4_0")
 
 
 @dataclass(frozen=True)

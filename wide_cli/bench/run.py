@@ -15,6 +15,7 @@ from wide_cli.bench.report import BenchEntry, BenchReport, fill_speedups
 from wide_cli.bench.systems import HFSystem, LlamaCppSystem, RuntimeSystem
 from wide_cli.bench.workload import prompt_batch, text_token_stream
 from wide_cli.errors import ConfigError
+from wide_cli.runtime.cpu_proj import prefill_path
 
 
 def _label(kind: str, fmt: str, formats) -> str:
@@ -92,14 +93,18 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
         for fmt in cfg.weights:
             rt = runtime_for("cpu", fmt)
             rt.routing, rt.forced = True, {}  # the routed model is what each format ships
-            # prefill: the PyTorch path; decode: token by token, the path generation runs (the
-            # native step, whose int8 kernels also round activations, see kernels/cpu_decode.c)
+            # prefill: one forward per window (bf16 / int8 projections on the native GEMM); decode:
+            # token by token, the path generation runs (the native step, whose int8 kernels also
+            # round activations, see kernels/cpu_decode.c)
             for mode in ("prefill", "decode"):
                 t = time.perf_counter()
                 res = runtime_perplexity(rt, ids, cfg.ppl_seq_len, mode)
                 res["seconds"] = time.perf_counter() - t
                 res["mode"] = mode
-                res["path"] = "torch" if mode == "prefill" or rt._native in (None, False) else "native"
+                if mode == "prefill":
+                    res["path"] = prefill_path(rt.dtype)
+                else:
+                    res["path"] = "torch" if rt._native in (None, False) else "native"
                 key = f"routed {fmt}" + ("" if mode == "prefill" else " decode")
                 quality[key] = res
                 log(f"WikiText-2 perplexity {key} ({res['path']}): {res['perplexity']:.3f}")

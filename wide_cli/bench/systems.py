@@ -11,6 +11,7 @@ import torch
 
 from wide_cli.bench.workload import random_forced_masks
 from wide_cli.errors import ConfigError
+from wide_cli.runtime.cpu_proj import prefill_path
 
 
 class HFSystem:
@@ -47,7 +48,7 @@ class HFSystem:
 class RuntimeSystem:
     """The runtime on one backend and weight format, routed or not. ``executed`` holds the
     multiply-adds of its last timed run: ``(weights + attention + LM head, routers)``; ``path``
-    which code ran its timed steps: ``native`` (the cpu backend's C decode step,
+    which code ran its timed steps: ``native`` (the cpu backend's C decode step or prefill GEMM,
     ``runtime/cpu_native.py``) or ``torch``.
 
     Args:
@@ -82,7 +83,7 @@ class RuntimeSystem:
         self.rt.step(ids, None, cache)
         t = time.perf_counter() - t
         self._counted()
-        self.path = "torch"
+        self.path = prefill_path(self.rt.dtype) if getattr(self.rt.backend, "name", None) == "cpu" else "torch"
         return t
 
     def decode(self, ids: torch.Tensor, steps: int) -> float:

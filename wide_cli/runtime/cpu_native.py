@@ -5,7 +5,8 @@ weight traffic, set the speed. The C step runs the same routed math (DESIGN.md Â
 per token on the weight layouts of ``runtime/cpu_proj.py`` (only bf16 O and down are re-blocked,
 a copy of those two), reading only the weight bytes of the groups a token executes. The PyTorch
 path stays: it runs prefill, batches of more than one row, padded caches and byte tracing, and it
-is the test oracle.
+is the test oracle. The same library has the prefill GEMM (``gemm``): bf16 prefill projections run
+on it where PyTorch's are slow (``cpu_proj._native_gemm_dtypes`` says where), gathering each routed group's tokens itself.
 
 Build: on first use the C source is compiled with the system compiler (``$CC``, default ``cc``;
 ``-O3 -march=native``) into ``$WIDE_CACHE/native/<key>/`` (default ``~/.cache/wide``), keyed by the
@@ -34,7 +35,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "cpu_decode.c"
-ABI = 4
+ABI = 5
 FMT_CODE = {torch.float32: 0, torch.bfloat16: 1}  # int8 is 2
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
@@ -61,7 +62,8 @@ def _source() -> Path:
     return shipped_dir("kernels") / SOURCE_NAME
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's feature flags (the ``flags`` line of /proc/cpuinfo; elsewhere the processor name)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -99,7 +101,7 @@ def build(force: bool = False, *, portable: bool = False) -> Path:
         raise RuntimeError(f"{cc} --version failed: {e}") from e
     flags = PORTABLE_FLAGS if portable else COMPILE_FLAGS
     key = hashlib.sha256(
-        b"\0".join(x.encode() for x in (src.read_text(), cc, version, " ".join(flags), _cpu_flags()))
+        b"\0".join(x.encode() for x in (src.read_text(), cc, version, " ".join(flags), cpu_flags()))
     ).hexdigest()[:16]
     out = _cache_root() / key / "libwide_cpu_decode.so"
     if out.is_file() and not force:
@@ -137,6 +139,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.wide_decode_step.argtypes = [ctypes.POINTER(_WModel), _I64, _I64, _I64, _P, _P, _P]
     lib.wide_decode_scratch_floats.restype = _I64
     lib.wide_decode_scratch_floats.argtypes = [ctypes.POINTER(_WModel)]
+    lib.wide_gemm.restype = _I64
+    lib.wide_gemm.argtypes = [_I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64]
+    lib.wide_gemm_simd.restype = _I64
     return lib
 
 
@@ -161,6 +166,53 @@ def unavailable_reason() -> str | None:
     if os.environ.get("WIDE_CPU_NATIVE", "1") == "0":
         return "WIDE_CPU_NATIVE=0"
     return _LIB_ERROR
+
+
+_GEMM_FMT = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def gemm_library() -> ctypes.CDLL | None:
+    """The native library when its prefill GEMM runs vector code on this CPU (AVX-512), else None:
+    the portable twin is slower than PyTorch's GEMMs and only exists for the tests."""
+    lib = library()
+    return lib if lib is not None and lib.wide_gemm_simd() else None
+
+
+def gemm(a: torch.Tensor, w: torch.Tensor, layout: str, out: torch.Tensor, *, arows: torch.Tensor | None = None,
+         orows: torch.Tensor | None = None, accumulate: bool = False, lib: ctypes.CDLL | None = None) -> bool:
+    """``out[orows] (+)= a[arows] @ W^T`` with the native prefill GEMM (``wide_gemm`` in
+    ``kernels/cpu_decode.c``), on the runtime's thread count.
+
+    Args:
+        a: ``[*, K]`` activations, fp32 or bf16 (``w``'s dtype), unit stride along K.
+        w: ``[N, K]`` (``layout="rows"``) or ``[K, N]`` (``layout="w_t"``), unit inner stride.
+        out: ``[*, N]`` fp32 or bf16 (bf16 rounded to nearest even), unit inner stride.
+        arows / orows: integer ``[M]`` rows of ``a`` to read / of ``out`` to write (None: all
+            ``a``'s rows, in order); ``orows`` distinct.
+        lib: the library to use (default ``gemm_library()``).
+    Returns:
+        False (nothing written) when the native GEMM cannot take these operands (no library with
+        vector code, another dtype, strides, an odd K in bf16): the caller runs its PyTorch GEMM.
+    """
+    lib = lib or gemm_library()
+    fmt = _GEMM_FMT.get(w.dtype)
+    if lib is None or fmt is None or a.dtype != w.dtype or out.dtype not in _GEMM_FMT:
+        return False
+    if a.stride(-1) != 1 or w.stride(-1) != 1 or out.stride(-1) != 1 or a.dim() != 2 or out.dim() != 2:
+        return False
+    N, K = (w.shape if layout == "rows" else w.shape[::-1])
+    if a.shape[1] != K or out.shape[1] != N:
+        raise ValueError(f"gemm shapes: a {tuple(a.shape)}, w {tuple(w.shape)} ({layout}), out {tuple(out.shape)}")
+    M = arows.numel() if arows is not None else a.shape[0]
+    if orows is None and out.shape[0] != M:
+        raise ValueError(f"gemm: {M} rows into out {tuple(out.shape)} without orows")
+    arows, orows = (None if r is None else r.to(torch.int64).contiguous() for r in (arows, orows))
+    if M == 0:
+        return True
+    rc = lib.wide_gemm(fmt, _GEMM_FMT[out.dtype], 0 if layout == "rows" else 1, w.data_ptr(), w.stride(0), N, K,
+                       a.data_ptr(), a.stride(0), _ptr(arows), M, out.data_ptr(), out.stride(0), _ptr(orows),
+                       int(accumulate), torch.get_num_threads())
+    return rc == 0
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -1,11 +1,13 @@
-"""Write an export's dense weights as a llama.cpp GGUF (``F16`` or ``Q8_0``) with the ``gguf`` package,
+"""Write an export's dense weights as a llama.cpp GGUF (``F16``, ``Q8_0`` or ``Q4_0``) with the ``gguf`` package,
 so that ``wide bench`` can run llama.cpp on the very same weights.
 
 Only the backbone is written (no routers: llama.cpp runs the dense model). Tensor names and the
 Q/K row order follow llama.cpp's ``llama`` architecture: Hugging Face stores Q/K rows in the
 "rotate half" RoPE order, llama.cpp's ``llama`` graph expects interleaved pairs, so the rows of each
 head are permuted ``[h, 2, d/2] -> [h, d/2, 2]`` (what llama.cpp's own converter does). Norms stay
-F32; every matrix is F16 or Q8_0 (blocks of 32 with one f16 scale).
+F32; every matrix is F16, Q8_0 or Q4_0 (blocks of 32 with one f16 scale; Q4_0 for every matrix,
+the embedding / tied head included, unlike llama-quantize's Q4_0 mix, which keeps the output
+matrix at 6 bits).
 
 The vocabulary is written as a ``gpt2`` (byte-level BPE) tokenizer from the export's
 ``tokenizer.json`` (tokens, merges, special-token types), or as ``none`` (no vocabulary) for other
@@ -24,7 +26,9 @@ import torch
 from wide_cli.errors import ConfigError
 from wide_cli.filenames import TOKENIZER_JSON, WEIGHTS_FILE
 
-GGUF_TYPES = ("F16", "Q8_0")
+GGUF_TYPES = ("F16", "Q8_0", "Q4_0")
+# llama.cpp block formats: 32 weights per block, one f16 scale (Q4_0: 4-bit, offset 8)
+_BLOCKED = ("Q8_0", "Q4_0")
 
 
 def _permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -64,12 +68,12 @@ def write_gguf(export_dir, out_path, gguf_type: str = "F16") -> Path:
     Args:
         export_dir: a wide export (fp32 or int8; int8 weights are dequantized first).
         out_path: the ``.gguf`` file to write.
-        gguf_type: ``F16`` or ``Q8_0`` for every matrix (norms stay F32).
+        gguf_type: ``F16``, ``Q8_0`` or ``Q4_0`` for every matrix (norms stay F32).
     Returns:
         ``out_path``.
     Raises:
         ConfigError: an unknown type, a model llama.cpp's ``llama`` graph does not run as is
-            (biases, q/k norms, RoPE scaling, sliding windows), a width Q8_0 cannot block by 32.
+            (biases, q/k norms, RoPE scaling, sliding windows), a width Q8_0 / Q4_0 cannot block by 32.
         CheckpointError: an unreadable export.
     """
     import gguf
@@ -97,8 +101,8 @@ def write_gguf(export_dir, out_path, gguf_type: str = "F16") -> Path:
     H, Hkv = int(config.num_attention_heads), int(config.num_key_value_heads)
     d = int(getattr(config, "head_dim", None) or D // H)
     V = tensors["model.embed_tokens.weight"].shape[0]
-    qtype = gguf.GGMLQuantizationType.Q8_0 if gguf_type == "Q8_0" else gguf.GGMLQuantizationType.F16
-    ftype = gguf.LlamaFileType.MOSTLY_Q8_0 if gguf_type == "Q8_0" else gguf.LlamaFileType.MOSTLY_F16
+    qtype = getattr(gguf.GGMLQuantizationType, gguf_type)
+    ftype = getattr(gguf.LlamaFileType, f"MOSTLY_{gguf_type}")
 
     w = gguf.GGUFWriter(str(out_path), "llama")
     w.add_name(export_dir.name)
@@ -135,9 +139,9 @@ def write_gguf(export_dir, out_path, gguf_type: str = "F16") -> Path:
         a = t.detach().float().numpy()
         if not matrix:
             w.add_tensor(name, a.astype(np.float32))
-        elif qtype == gguf.GGMLQuantizationType.Q8_0:
+        elif gguf_type in _BLOCKED:
             if a.shape[-1] % 32:
-                raise ConfigError(f"{name}: width {a.shape[-1]} is not a multiple of 32 (Q8_0 blocks)", "use F16")
+                raise ConfigError(f"{name}: width {a.shape[-1]} is not a multiple of 32 ({gguf_type} blocks)", "use F16")
             w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, a.astype(np.float16))
