@@ -407,7 +407,7 @@ def check_export_target(out, *, protected: Iterable[tuple[str, Path | None]] = (
         root, allowed = (Path(q).resolve() for q in inside)
         if target.is_relative_to(root) and target != allowed:
             raise ConfigError(f"--out {out} is inside the run directory {inside[0]}",
-                              f"choose a path outside it, or leave --out out for {inside[1]}")
+                              f"choose a path outside it, or omit --out to write {inside[1]}")
     if not out.exists():
         return
     if not out.is_dir():
