@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 
 class WideError(Exception):
     """A user-facing error: what is wrong (naming the bad value) and how to fix it.
@@ -37,3 +40,19 @@ class TrainingDivergedError(WideError):
     """A non-finite loss during training; the last good checkpoint is kept."""
 
     exit_code = 3
+
+
+def refuse_non_finite(section, names: dict[str, str] | None = None) -> None:
+    """Refuse NaN or infinity in any float field of a settings dataclass (``section``): no setting
+    means anything at either, and training on one only diverges minutes later.
+
+    ``names``: ``{field: name}`` where the flag's name is not the field's (``lr`` -> ``lora-lr``).
+
+    Raises:
+        ConfigError: naming the first such field (``lora_alpha`` -> ``lora-alpha``) and its value.
+    """
+    for f in dataclasses.fields(section):
+        v = getattr(section, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            name = (names or {}).get(f.name, f.name.replace("_", "-"))
+            raise ConfigError(f"{name} {v} must be a finite number")

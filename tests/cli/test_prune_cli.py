@@ -202,3 +202,29 @@ def test_prune_without_group_flags_uses_one_attention_group_per_kv_head(tmp_path
     assert r.exit_code == 0, r.output
     wcfg = json.loads((tmp_path / "r" / "export" / "wide_config.json").read_text())
     assert wcfg["layout"]["attn_group_size"] == 2 and wcfg["layout"]["attn_groups"] == 2
+
+
+NO_HELDOUT = ("error: --heldout-fraction 0 leaves no held-out data to evaluate on "
+              "(pass --eval-data FILE or --heldout-fraction > 0)")
+
+
+def test_prune_without_held_out_data_is_refused_before_calibrating(tmp_path, text_file, capsys):
+    run = tmp_path / "run"
+    code = main(["prune", "tiny-llama", "--data", str(text_file), "--run-dir", str(run), *TINY,
+                 "--heldout-fraction", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert err == [NO_HELDOUT]
+    assert not run.exists()
+
+
+def test_prune_with_eval_data_needs_no_held_out_split(tmp_path, text_file):
+    r = _prune(tmp_path, text_file, "--heldout-fraction", "0", "--eval-data", str(text_file))
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["calibration"]["heldout_sequences"] == 0 and res["eval"]["data"] == str(text_file)
+
+
+def test_prune_help_states_what_a_zero_held_out_fraction_needs():
+    r = CliRunner().invoke(app, ["prune", "--help"], env={"COLUMNS": "200"})
+    assert "0 needs --eval-data FILE" in " ".join(r.output.replace("│", " ").split()), r.output

@@ -100,12 +100,15 @@ def test_relative_links_in_the_readme_and_docs_resolve():
 
 def test_layers_point_one_way():
     """``train/`` is a library (no run dirs, no pipeline); ``artifacts`` is a leaf every loader may
-    import (at import time only ``errors`` and ``models.arch``); nothing below the CLI imports it."""
+    import (at import time only ``errors``, ``filenames`` and ``models.arch``); nothing below the CLI
+    imports it."""
     lazy, eager = import_graph(module_level=False), import_graph(module_level=True)
     train_up = {(m, t) for m, ts in lazy.items() if m.startswith("wide_cli.train") for t in ts
                 if t.startswith(("wide_cli.pipeline", "wide_cli.cli", "wide_cli.export"))}
     assert not train_up, f"train/ must not import the pipeline, export or CLI: {sorted(train_up)}"
-    assert eager["wide_cli.artifacts"] <= {"wide_cli.errors", "wide_cli.models.arch"}, eager["wide_cli.artifacts"]
+    assert eager["wide_cli.artifacts"] <= {"wide_cli.errors", "wide_cli.filenames", "wide_cli.models.arch"}, (
+        eager["wide_cli.artifacts"])
+    assert not eager["wide_cli.filenames"], eager["wide_cli.filenames"]
     into_cli = sorted(m for m, ts in lazy.items() if not m.startswith(("wide_cli.cli", "wide_cli.__main__"))
                       and any(t.startswith("wide_cli.cli") for t in ts))
     assert not into_cli, f"only the CLI may import wide_cli.cli: {into_cli}"

@@ -109,3 +109,80 @@ def test_a_method_flag_without_layer_drop_clears_the_recipe_drop_layers():
         assert resolve_settings(None, "smollm2-135m-cpu", {}).routing.drop_layers == 3
         with pytest.raises(ConfigError, match="drop-layers 2 applies to --method wide or dynamic-depth"):
             resolve_settings(None, "smollm2-135m-cpu", {"method": "static-depth", "drop_layers": 2})
+
+
+@pytest.mark.parametrize("text,message", [
+    ('[train]\nsteps = "5"\n', '[train] steps must be an integer, got "5" (a string)'),
+    ("[train]\nbatch_size = 2.5\n", "[train] batch_size must be an integer, got 2.5 (a number)"),
+    ("[train]\nseq_len = 64.0\n", "[train] seq_len must be an integer, got 64.0 (a number)"),
+    ("[train]\ngrad_accum = true\n", "[train] grad_accum must be an integer, got true (true or false)"),
+    ('[data]\nshuffle_documents = "false"\n', '[data] shuffle_documents must be true or false, got "false" (a string)'),
+    ("[data]\nshuffle_documents = 0\n", "[data] shuffle_documents must be true or false, got 0 (an integer)"),
+    ('[train]\nlr = "2e-3"\n', '[train] lr must be a number, got "2e-3" (a string)'),
+    ("[routing]\nsparsity = true\n", "[routing] sparsity must be a number, got true (true or false)"),
+    ("[model]\nname = 7\n", "[model] name must be a string, got 7 (an integer)"),
+    ('[stage2]\ntarget_modules = "q_proj"\n', '[stage2] target_modules must be a list of strings, got "q_proj" (a string)'),
+    ("[stage2]\ntarget_modules = [1]\n", "[stage2] target_modules must be a list of strings, got [1] (a list)"),
+    ("[eval]\nmax_tokens = [1]\n", "[eval] max_tokens must be an integer, got [1] (a list)"),
+])
+def test_recipe_values_of_the_wrong_type_name_section_key_type_and_value(tmp_path, text, message):
+    p = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_recipe(p)
+    assert str(e.value).startswith(f"{p}: {message}"), str(e.value)
+
+
+def test_recipe_integers_are_accepted_for_numbers(tmp_path):
+    s = load_recipe(_write(tmp_path, "[train]\nlr = 1\ngrad_clip = 2\n[routing]\nsparsity_weight = 10\n"))
+    assert (s.train.lr, s.train.grad_clip, s.routing.sparsity_weight) == (1.0, 2.0, 10.0)
+    assert all(type(v) is float for v in (s.train.lr, s.train.grad_clip, s.routing.sparsity_weight))
+
+
+def test_wide_recipes_refuses_a_value_of_the_wrong_type_in_one_line(tmp_path, capsys):
+    from wide_cli.cli.app import main
+
+    p = _write(tmp_path, '[train]\nsteps = "5"\n')
+    assert main(["recipes", str(p)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f'error: {p}: [train] steps must be an integer, got "5" (a string) (write it without quotes)']
+
+
+ALPHA_FIX = "(the LoRA update is scaled by alpha / rank: 0 leaves the model unchanged)"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--lora-alpha", "0"], f"error: lora-alpha 0.0 must be > 0 {ALPHA_FIX}"),
+    (["--lora-alpha", "-2"], f"error: lora-alpha -2.0 must be > 0 {ALPHA_FIX}"),
+    (["--lora-alpha", "nan"], "error: lora-alpha nan must be a finite number"),
+    (["--lora-alpha", "inf"], "error: lora-alpha inf must be a finite number"),
+    (["--sparsity-weight", "nan"], "error: sparsity-weight nan must be a finite number"),
+    (["--sparsity-weight", "-inf"], "error: sparsity-weight -inf must be a finite number"),
+    (["--sparsity-weight", "-1"], "error: sparsity-weight -1.0 must be >= 0"),
+    (["--lr", "inf"], "error: lr inf must be a finite number"),
+    (["--lora-lr", "nan"], "error: lora-lr nan must be a finite number"),
+    (["--tau-start", "inf"], "error: tau-start inf must be a finite number"),
+])
+def test_non_finite_and_out_of_range_numbers_are_refused_before_any_work(tmp_path, text_file, capsys, flags, message):
+    from wide_cli.cli.app import main
+
+    run = tmp_path / "run"
+    code = main(["prune", "tiny-llama", "--data", str(text_file), "--lora", "--run-dir", str(run), "--steps", "1",
+                 "--seq-len", "32", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert err == [message]
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[stage2]\nlora_alpha = nan\n", "lora-alpha nan must be a finite number"),
+    ("[train]\nweight_decay = -0.1\n", "weight-decay -0.1 must be >= 0"),
+    ("[train]\nweight_decay = inf\n", "weight-decay inf must be a finite number"),
+    ("[train]\ngrad_clip = nan\n", "grad-clip nan must be a finite number"),
+    ("[train]\ngrad_clip = -1.0\n", "grad-clip -1.0 must be >= 0"),
+    ("[routing]\ncost_target = nan\n", "cost-target nan must be a finite number"),
+])
+def test_recipe_numbers_must_be_finite_and_in_range(tmp_path, text, message):
+    with pytest.raises(ConfigError) as e:
+        load_recipe(_write(tmp_path, text))
+    assert e.value.message == message

@@ -68,3 +68,28 @@ def test_prompt_plus_new_tokens_beyond_the_context_is_refused(tiny_export, capsy
     code, out = _main(capsys, ["generate", str(tiny_export), "-p", "a" * 500, "--max-new-tokens", "12",
                                "--ignore-eos", "--threads", "1"])
     assert code == 0, out.err
+
+
+@pytest.mark.parametrize("prompts,message", [
+    ([""], "error: --prompt is empty (give a non-empty prompt)"),
+    (["hello", ""], "error: --prompt 2 of 2 is empty (give a non-empty prompt)"),
+])
+def test_an_empty_prompt_is_a_one_line_error_with_exit_2(tiny_export, capsys, prompts, message):
+    args = [a for p in prompts for a in ("-p", p)]
+    code, out = _main(capsys, ["generate", str(tiny_export), *args, "--max-new-tokens", "2"])
+    assert code == 2, out.err
+    assert out.err.strip().splitlines() == [message]
+    code, out = _main(capsys, ["generate", str(tiny_export), str(tiny_export), *args, "--max-new-tokens", "2"])
+    assert code == 2 and out.err.strip().splitlines() == [message]
+
+
+def test_a_prompt_of_no_tokens_is_refused_by_generation_naming_it():
+    from types import SimpleNamespace
+
+    from wide_cli.errors import ConfigError
+    from wide_cli.models.tiny import char_tokenizer
+    from wide_cli.runtime.generation import generate
+
+    rt = SimpleNamespace(tokenizer=char_tokenizer())
+    with pytest.raises(ConfigError, match=r"^prompt 2 of 2 has no tokens \(give a non-empty prompt\)$"):
+        generate(rt, [[5, 6], []], max_new_tokens=2)

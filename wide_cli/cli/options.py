@@ -11,7 +11,8 @@ import typer
 ModelArg = Annotated[str, typer.Argument(help="Model: alias (smollm2-135m, tiny-llama), HF id, local dir or .gguf.")]
 RecipeOpt = Annotated[str | None, typer.Option("--recipe", help="Recipe TOML (path or shipped name, see `wide recipes`).")]
 RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Run directory (default runs/<model>).")]
-OutOpt = Annotated[Path | None, typer.Option("--out", help="Export directory (default <run-dir>/export).")]
+OutOpt = Annotated[Path | None, typer.Option("--out", help="Export directory (default <run-dir>/export). An existing wide export there is "
+                                              "replaced once the new one is complete; anything else there is refused.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout (logs go to stderr).")]
 NprocOpt = Annotated[int, typer.Option("--nproc", help="Data-parallel processes (re-runs itself under torchrun).")]
 TrustRemoteCodeOpt = Annotated[bool, typer.Option(
@@ -78,7 +79,8 @@ SPARSITY_FLAGS = ("sparsity", "sparsity_attention", "sparsity_ffn")
 # Option declarations shared by `prune` and the stage commands.
 Data = Annotated[str | None, typer.Option("--data", help="Training data: file, directory, HF dataset id or builtin:pydoc.")]
 EvalData = Annotated[str | None, typer.Option("--eval-data", help="Text for perplexity (default: held-out split of --data).")]
-HeldoutFraction = Annotated[float | None, typer.Option("--heldout-fraction", help="Share of packed sequences held out of training.")]
+HeldoutFraction = Annotated[float | None, typer.Option("--heldout-fraction", help=(
+    "Share of packed sequences held out of training, for the evaluation (default 0.1); 0 needs --eval-data FILE."))]
 MaxTrainTokens = Annotated[int | None, typer.Option("--max-train-tokens", help="Cap on tokenised training data.")]
 SelfGenerated = Annotated[int | None, typer.Option("--self-generated", help="Add N chat transcripts written by the dense model itself to the training data (chat models; 0 = none).")]
 ShuffleDocs = Annotated[bool | None, typer.Option("--shuffle-documents/--no-shuffle-documents", help="Shuffle documents before packing (default on).")]

@@ -50,11 +50,12 @@ def _file_sig(path: Path) -> list:
 def target_fingerprint(target) -> dict:
     """What identifies a loaded target's weights (``wide_cli.eval.run.Target``)."""
     from wide_cli.export import is_export
+    from wide_cli.filenames import MANIFEST, WIDE_CONFIG
 
     if is_export(target.name):
         d = Path(target.name)
-        manifest = d / "manifest.json"
-        src = manifest if manifest.is_file() else d / "wide_config.json"
+        manifest = d / MANIFEST
+        src = manifest if manifest.is_file() else d / WIDE_CONFIG
         return {"export": hashlib.sha256(src.read_bytes()).hexdigest()}
     fp = {"source": target.source}
     resolved = (target.source or {}).get("resolved")

@@ -325,10 +325,10 @@ def compare(targets: list[str], *, tasks: list[str], data_dir: Path | None, limi
 def _attach_export_facts(report: dict) -> None:
     """Copy what the rows need from each export's ``wide_config.json`` (static-depth selection,
     LoRA) into the eval report's rows."""
-    from wide_cli.artifacts import is_export, read_wide_config
+    from wide_cli.artifacts import ExportInfo, is_export
 
     for r in report["rows"]:
         if is_export(r["name"]):
-            w = read_wide_config(Path(r["name"]))
-            r["static_depth"] = w.get("static_depth")
-            r["lora"] = w.get("lora")
+            info = ExportInfo.read(r["name"])
+            r["static_depth"] = info.static_depth
+            r["lora"] = info.lora

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from wide_cli.artifacts import ExportInfo
 from wide_cli.errors import ConfigError, DataError
 from wide_cli.eval.tasks import PERPLEXITY_TASKS, TASKS, check_limit, get_task, task_path
 
@@ -53,7 +54,7 @@ def load_target(target: str, *, dtype, device, trust_remote_code: bool = False) 
         wcfg = pm.wide_config or {}
         state = getattr(pm.model, "wide_routing", None)
         # a static-depth export routes nothing but is still a pruned model (fewer layers)
-        dense = (state is None or state.cfg.method == "dense") and wcfg.get("method") != "static-depth"
+        dense = (state is None or state.cfg.method == "dense") and ExportInfo(wcfg).method != "static-depth"
         return Target(target, pm.model, pm.tokenizer, "dense" if dense else "pruned",
                       dict(wcfg.get("source_model") or {}), wcfg)
     from wide_cli.models.loader import load_model
@@ -217,7 +218,8 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
         total.merge(sub)
     sparsity = total.summary()
     wcfg = target.wide_config or {}
-    if wcfg.get("static") and wcfg.get("export_format") == "hf":
+    info = ExportInfo(wcfg) if wcfg else None
+    if info is not None and info.static_width and info.export_format == "hf":
         # a physically narrowed static-width export makes no routing decisions to count: its
         # sparsity is its kept groups (input independent, exact)
         from wide_cli.routing.measure import static_sparsity
@@ -232,14 +234,14 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
                       "ffn_groups": state.layout.ffn_groups}
     flops = flops_report(shape, sparsity, seq_len=seq_len, **router)
     bound = decode_speedup_bound(shape, sparsity)
-    if wcfg.get("method") == "static-depth":  # relative to the source model, whose layers it removed
+    if info is not None and info.method == "static-depth":  # relative to the source model, whose layers it removed
         flops, bound = static_depth_export_cost(wcfg, shape, seq_len=seq_len)
-    elif wcfg.get("dropped_layers"):  # hybrid: routed layers of a layer-pruned source, against the source
+    elif info is not None and info.dropped_layers:  # hybrid: routed layers of a layer-pruned source, against the source
         flops, bound = hybrid_export_cost(wcfg, shape, sparsity, seq_len=seq_len, routers=router)
     return {
         "name": target.name,
         "kind": target.kind,
-        "method": wcfg.get("method") or (state.cfg.method if state is not None else "dense"),
+        "method": info.method if info is not None else (state.cfg.method if state is not None else "dense"),
         "source": target.source,
         "routing": wcfg.get("routing") if wcfg else (state.cfg.to_dict() if state is not None else None),
         "export_measured_sparsity": wcfg.get("measured_sparsity"),

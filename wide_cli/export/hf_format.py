@@ -28,13 +28,7 @@ from pathlib import Path
 
 import torch
 
-from wide_cli.artifacts import (
-    WEIGHTS_INDEX,
-    PrunedModel,
-    backbone_state_dict,
-    open_export,
-    unreadable_weights,
-)
+from wide_cli.artifacts import PrunedModel, backbone_state_dict, open_export, unreadable_weights
 from wide_cli.atomic import atomic_write_json
 from wide_cli.export.modeling_template import (
     ARCH_PREFIX,
@@ -43,6 +37,7 @@ from wide_cli.export.modeling_template import (
     render_configuration,
     render_modeling,
 )
+from wide_cli.filenames import CONFIG_JSON, WEIGHTS_INDEX
 from wide_cli.models.arch import ROUTED_MODULES
 
 
@@ -121,8 +116,8 @@ def hf_config_dict(config, routing: dict, layout: dict, *, kept_heads=None, inte
         architectures=[f"Wide{prefix}ForCausalLM"],
         model_type=f"wide_{mt}",
         auto_map={
-            "AutoConfig": f"configuration_wide.Wide{prefix}Config",
-            "AutoModelForCausalLM": f"modeling_wide.Wide{prefix}ForCausalLM",
+            "AutoConfig": f"{CONFIGURATION_FILE.removesuffix('.py')}.Wide{prefix}Config",
+            "AutoModelForCausalLM": f"{MODELING_FILE.removesuffix('.py')}.Wide{prefix}ForCausalLM",
         },
         wide_routing={"routing": dict(routing), "layout": dict(layout)},
     )
@@ -209,7 +204,7 @@ def write_hf(model, tokenizer, dest: Path, *, export_id: str, max_shard_size: st
     config = hf_config_dict(
         base, cfg.to_dict(), dataclasses.asdict(layout), kept_heads=kept_heads, intermediate_sizes=inter
     )
-    atomic_write_json(dest / "config.json", config)
+    atomic_write_json(dest / CONFIG_JSON, config)
     (dest / MODELING_FILE).write_text(render_modeling(base.model_type))
     (dest / CONFIGURATION_FILE).write_text(render_configuration(base.model_type))
     save_weights(tensors, dest, max_shard_size=max_shard_size, metadata={"wide_export_id": export_id})
@@ -221,17 +216,6 @@ def write_hf(model, tokenizer, dest: Path, *, export_id: str, max_shard_size: st
 
 
 # ----------------------------------------------------------------------------- loader
-def is_hf_export(path) -> bool:
-    """True when ``path`` holds an hf-format export (``config.json`` with an ``auto_map`` to
-    ``modeling_wide``)."""
-    p = Path(path) / "config.json"
-    try:
-        cfg = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return False
-    return "modeling_wide" in json.dumps(cfg.get("auto_map", {}))
-
-
 def hf_base_model_type(path) -> str:
     """The base ``model_type`` (llama, mistral, qwen2, qwen3) of an hf-format export, read from
     its ``config.json`` as data.
@@ -241,7 +225,7 @@ def hf_base_model_type(path) -> str:
     """
     from wide_cli.errors import CheckpointError
 
-    p = Path(path) / "config.json"
+    p = Path(path) / CONFIG_JSON
     try:
         mt = str(json.loads(p.read_text()).get("model_type", ""))
     except (OSError, ValueError) as e:
@@ -329,7 +313,7 @@ def load_hf_export(path, *, dtype: torch.dtype = torch.float32, device="cpu", ve
     bad = {k: sorted(map(str, info.get(k) or [])) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if any(bad.values()):
         raise CheckpointError(
-            f"weights of {path} do not match its config.json: missing {bad['missing_keys'][:5]}, "
+            f"weights of {path} do not match its {CONFIG_JSON}: missing {bad['missing_keys'][:5]}, "
             f"unexpected {bad['unexpected_keys'][:5]}, mismatched {bad['mismatched_keys'][:5]}",
             "the export is corrupt or was edited; re-run `wide export`",
         )

@@ -8,7 +8,7 @@ import torch
 from safetensors import SafetensorError
 
 from wide_cli.artifacts import (
-    ROUTERS_FILE,
+    ExportInfo,
     PrunedModel,
     is_export,
     open_export,
@@ -18,6 +18,7 @@ from wide_cli.artifacts import (
     unreadable_weights,
 )
 from wide_cli.errors import CheckpointError
+from wide_cli.filenames import CONFIG_JSON
 
 __all__ = ["PrunedModel", "is_export", "load_pruned", "next_token_entropy"]
 
@@ -66,14 +67,15 @@ def load_pruned(
     from wide_cli.routing.model import attach_routers, load_router_state_dict
 
     path, wcfg, tokenizer = open_export(path, verify=verify)
-    if wcfg.get("export_format", "wide") == "hf":  # generated remote code; its manifest is verified
+    export = ExportInfo(wcfg, path)
+    if export.export_format == "hf":  # generated remote code; its manifest is verified
         from wide_cli.export.hf_format import load_hf_export
 
         pm = load_hf_export(path, dtype=dtype, device=device, verify=False, trust_remote_code=trust_remote_code)
         if smoke_check:
             _smoke_check(pm.model, pm.tokenizer, path)
         return pm
-    if (wcfg.get("weight_format") or {}).get("format") == "int8":
+    if export.weight_format == "int8":
         raise CheckpointError(
             f"{path} stores int8 weights for wide's runtime (`wide export --weights int8`); "
             "the transformers loaders need float weights",
@@ -86,7 +88,7 @@ def load_pruned(
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path / 'config.json'}: {e}", "re-run `wide export`") from None
+        raise CheckpointError(f"cannot read {export.config_path}: {e}", "re-run `wide export`") from None
     check_export_shapes(path, config)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
@@ -102,7 +104,7 @@ def load_pruned(
     mismatched = sorted(str(k) for k in (info.get("mismatched_keys") or []))
     if missing or mismatched or (unexpected and not allow_extra):
         raise CheckpointError(
-            f"weights of {path} do not match its config.json: missing {missing[:5]}, "
+            f"weights of {path} do not match its {CONFIG_JSON}: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}, mismatched {mismatched[:5]}",
             "the export is corrupt or was edited; re-run `wide export` (or pass allow_extra for extra tensors)",
         )
@@ -113,7 +115,7 @@ def load_pruned(
     static_keep = None
     routers = {}
     if cfg.method != "dense":
-        routers = read_routers(path / ROUTERS_FILE)
+        routers = read_routers(export.routers_path)
         if cfg.method == "static-width":
             static_keep = static_keep_from_routers(routers)
     with warnings.catch_warnings():

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from wide_cli.artifacts import MANIFEST, sha256_file
+from wide_cli.artifacts import sha256_file
 from wide_cli.atomic import atomic_write_json
+from wide_cli.filenames import MANIFEST
 
 
 def _files(root: Path) -> list[Path]:

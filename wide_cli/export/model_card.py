@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from wide_cli.artifacts import ExportInfo
 from wide_cli.atomic import atomic_write_bytes
+from wide_cli.filenames import MANIFEST
 
 MODEL_CARD = "README.md"
 
@@ -71,10 +73,10 @@ def metrics_table(metrics: dict) -> list[str]:
 
 
 def _settings_rows(wc: dict) -> list[list]:
-    r = wc.get("routing") or {}
-    lay = wc.get("layout") or {}
-    rows = [["method", wc.get("method", r.get("method"))]]
-    sd = wc.get("static_depth")
+    info = ExportInfo(wc)
+    r, lay = info.routing, info.layout
+    rows = [["method", info.method]]
+    sd = info.static_depth
     if sd:
         rows += [["removed layers (of the source's)", f"{sd['removed']} ({len(sd['removed'])} of {sd['num_layers']})"],
                  ["cost target / reached", f"{sd['cost_target']} / {sd['cost_fraction']:.3f} of dense {sd['cost_metric']}"],
@@ -84,23 +86,23 @@ def _settings_rows(wc: dict) -> list[list]:
         if heal:
             rows.append(["LoRA healing steps x sequences x tokens",
                          f"{heal.get('steps')} x {tr.get('batch_size', 0) * tr.get('grad_accum', 1)} x {tr.get('seq_len')}"])
-        lora = wc.get("lora")
+        lora = info.lora
         rows.append(["LoRA", f"merged (r={lora['rank']}, alpha={lora['alpha']})" if lora else "none"])
         return rows
-    if r.get("method") != "dense":
+    if info.routing_method != "dense":
         rows += [
             ["attention group size (query heads)", lay.get("attn_group_size", r.get("attn_group_size"))],
             ["FFN group size (channels)", lay.get("ffn_group_size", r.get("ffn_group_size"))],
             ["groups per layer (attention / FFN)", f"{lay.get('attn_groups', '-')} / {lay.get('ffn_groups', '-')}"],
-            ["routed modules", ", ".join(m for m in ("attention", "ffn") if r.get(f"route_{m}", True))],
+            ["routed modules", ", ".join(info.routed_modules)],
         ]
-        if r.get("method") != "static-width":
+        if info.routing_method != "static-width":
             rows.append(["router rank", r.get("router_rank")])
         if r.get("sparsity_attention") is not None:
             rows.append(["sparsity target (attention / FFN)", f"{r['sparsity_attention']} / {r['sparsity_ffn']}"])
         else:
             rows.append(["sparsity target", r.get("sparsity")])
-        if r.get("method") in ("wide", "dynamic-depth"):
+        if info.routing_method in ("wide", "dynamic-depth"):
             rows += [["sparsity weight (lambda)", r.get("sparsity_weight")],
                      ["Gumbel temperature", f"{r.get('tau_start')} -> {r.get('tau_end')}"]]
     tr = (wc.get("settings") or {}).get("train") or {}
@@ -111,7 +113,7 @@ def _settings_rows(wc: dict) -> list[list]:
     data = (wc.get("settings") or {}).get("data") or {}
     if data.get("train"):
         rows.append(["training data", data["train"]])
-    lora = wc.get("lora")
+    lora = info.lora
     rows.append(["LoRA", f"merged (r={lora['rank']}, alpha={lora['alpha']})" if lora else "none"])
     return rows
 
@@ -127,7 +129,8 @@ def render_model_card(wc: dict, *, export_format: str, name: str, files: dict[st
     """
     src = wc.get("source_model") or {}
     spec = src.get("spec") or "unknown"
-    method = wc.get("method") or (wc.get("routing") or {}).get("method", "wide")
+    info = ExportInfo(wc)
+    method = info.method
     front = ["---", "library_name: transformers"]
     if _HUB_ID.match(str(spec)):
         front.append(f"base_model: {spec}")
@@ -141,8 +144,8 @@ def render_model_card(wc: dict, *, export_format: str, name: str, files: dict[st
          + (f", revision `{src['revision']}`" if src.get("revision") else "")),
         f"- Method: {_METHOD_TEXT.get(method, method)}.",
     ]
-    if export_format == "hf" and wc.get("static"):
-        st = wc["static"]
+    if export_format == "hf" and info.static_width:
+        st = info.static_width
         lines.append(
             "- Physically smaller: removed query heads and FFN channels are gone from the tensors "
             f"(kept query heads per layer: {[len(h) for h in st['kept_heads']]}; kept FFN channels per "
@@ -232,7 +235,7 @@ def write_model_card(root: Path, wide_config: dict, *, export_format: str, name:
     files = {
         str(p.relative_to(root)): p.stat().st_size
         for p in sorted(root.rglob("*"))
-        if p.is_file() and not p.name.startswith(".") and p.name not in (MODEL_CARD, "manifest.json")
+        if p.is_file() and not p.name.startswith(".") and p.name not in (MODEL_CARD, MANIFEST)
     }
     path = root / MODEL_CARD
     atomic_write_bytes(path, render_model_card(wide_config, export_format=export_format, name=name, files=files).encode())

@@ -19,10 +19,11 @@ import importlib
 import inspect
 import re
 
+from wide_cli.filenames import HF_CONFIGURATION_FILE, HF_MODELING_FILE
 from wide_cli.version import __version__
 
-MODELING_FILE = "modeling_wide.py"
-CONFIGURATION_FILE = "configuration_wide.py"
+MODELING_FILE = HF_MODELING_FILE
+CONFIGURATION_FILE = HF_CONFIGURATION_FILE
 
 #: base ``model_type`` -> transformers class-name prefix (``{prefix}ForCausalLM`` ...).
 ARCH_PREFIX: dict[str, str] = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}

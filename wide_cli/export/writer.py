@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from wide_cli.artifacts import ROUTERS_FILE, WIDE_CONFIG, backbone_state_dict
+from wide_cli.artifacts import EXPORT_FORMAT_VERSION, backbone_state_dict, check_export_target
 from wide_cli.atomic import atomic_directory, atomic_write_json
 from wide_cli.errors import CheckpointError
 from wide_cli.export.manifest import write_manifest
 from wide_cli.export.model_card import write_model_card
+from wide_cli.filenames import MANIFEST, ROUTERS_FILE, WEIGHTS_FILE, WIDE_CONFIG
 from wide_cli.routing.model import router_state_dict
 from wide_cli.version import __version__
 
-FORMAT_VERSION = 1
 EXPORT_FORMATS = ("wide", "hf")
 
 
@@ -68,14 +68,16 @@ def export_model(
             their current dtype.
         tokenizer: saved beside it, unchanged.
         out_dir: final directory; an existing export there is replaced only once the new one is
-            complete.
+            complete (anything else there is refused: ``artifacts.check_export_target``).
         wide_config: method settings, measured sparsity, source model, metrics... stored as
             ``wide_config.json`` (``format``, ``format_version``, ``wide_version``, ``export_id``
             and ``created`` are added here).
 
     Raises:
         CheckpointError: a router or backbone tensor with NaN/Inf.
+        ConfigError: ``out_dir`` is a file, a link or a directory that is not a wide export.
     """
+    check_export_target(out_dir)
     routers = router_state_dict(model)
     check_finite(routers, "router")
     backbone = backbone_state_dict(model)
@@ -100,7 +102,7 @@ def export_model(
             model.config.save_pretrained(tmp)
             if getattr(model, "generation_config", None) is not None:
                 model.generation_config.save_pretrained(tmp)
-            save_file(qsd, str(tmp / "model.safetensors"), metadata={"format": "pt", "wide_weight_format": "int8"})
+            save_file(qsd, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "wide_weight_format": "int8"})
             tokenizer.save_pretrained(tmp)
             if routers:
                 save_file(routers, str(tmp / ROUTERS_FILE), metadata={"format": "pt", "wide_export_id": export_id})
@@ -112,7 +114,7 @@ def export_model(
                 save_file(routers, str(tmp / ROUTERS_FILE), metadata={"format": "pt", "wide_export_id": export_id})
         cfg = {
             "format": "wide",
-            "format_version": FORMAT_VERSION,
+            "format_version": EXPORT_FORMAT_VERSION,
             "export_format": export_format,
             "wide_version": __version__,
             "export_id": export_id,
@@ -123,6 +125,6 @@ def export_model(
         atomic_write_json(tmp / WIDE_CONFIG, cfg)
         write_model_card(tmp, cfg, export_format=export_format, name=Path(out_dir).name)
         manifest = write_manifest(tmp, export_id=export_id, weight_format=weight_format)
-    files = sorted(manifest["files"]) + ["manifest.json"]
+    files = sorted(manifest["files"]) + [MANIFEST]
     total = sum(v["size"] for v in manifest["files"].values())
     return ExportResult(Path(out_dir), export_id, files, total)

@@ -12,20 +12,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from wide_cli.artifacts import ExportInfo
 from wide_cli.errors import CheckpointError, ConfigError
+from wide_cli.filenames import CONFIG_JSON, WIDE_CONFIG
 from wide_cli.models.arch import ROUTED_MODULES
 
 MODULES = ROUTED_MODULES
 
 
 # ----------------------------------------------------------------------------- files
-def export_format(path: Path, wide_config: dict) -> str:
-    """``wide`` or ``hf`` (from ``wide_config.json``; older exports are ``wide``)."""
-    from wide_cli.export.hf_format import is_hf_export
-
-    return wide_config.get("export_format") or ("hf" if is_hf_export(path) else "wide")
-
-
 def file_sizes(path: Path) -> dict[str, int]:
     """``{relative path: bytes}`` of every visible file of the export (manifest included)."""
     path = Path(path)
@@ -59,8 +54,8 @@ def parameter_counts(path: Path) -> dict:
 
 def settings_of(wc: dict) -> dict:
     """The settings worth showing, flat: source, group layout, rank, targets, training, version."""
-    r = wc.get("routing") or {}
-    lay = wc.get("layout") or {}
+    info = ExportInfo(wc)
+    r, lay = info.routing, info.layout
     tr = (wc.get("settings") or {}).get("train") or {}
     src = wc.get("source_model") or {}
     out = {
@@ -68,16 +63,16 @@ def settings_of(wc: dict) -> dict:
         "attn group size": lay.get("attn_group_size", r.get("attn_group_size")),
         "ffn group size": lay.get("ffn_group_size", r.get("ffn_group_size")),
         "groups (attention/ffn)": f"{lay.get('attn_groups', '-')}/{lay.get('ffn_groups', '-')}" if lay else None,
-        "router rank": r.get("router_rank") if r.get("method") in ("wide", "dynamic-depth") else None,
+        "router rank": r.get("router_rank") if info.routing_method in ("wide", "dynamic-depth") else None,
         "sparsity target": (f"{r['sparsity_attention']}/{r['sparsity_ffn']} (attention/ffn)"
                             if r.get("sparsity_attention") is not None else r.get("sparsity")),
         "train steps": tr.get("steps"),
-        "lora": "merged" if wc.get("lora") else None,
+        "lora": "merged" if info.lora else None,
         "wide version": wc.get("wide_version"),
         "created": wc.get("created"),
         "export id": wc.get("export_id"),
     }
-    sd = wc.get("static_depth")
+    sd = info.static_depth
     if sd:  # a plain smaller model: no groups, routers or sparsity target
         for k in ("attn group size", "ffn group size", "groups (attention/ffn)", "router rank", "sparsity target",
                   "train steps"):
@@ -85,7 +80,7 @@ def settings_of(wc: dict) -> dict:
         out["removed layers"] = f"{sd['removed']} ({len(sd['removed'])} of {sd['num_layers']})"
         out["cost target / reached"] = f"{sd['cost_target']} / {sd['cost_fraction']:.3f} of dense {sd['cost_metric']}"
         out["healing steps"] = ((wc.get("train") or {}).get("stage2") or {}).get("steps")
-    st = wc.get("static")
+    st = info.static_width
     if st:
         out["kept query heads per layer"] = [len(h) for h in st["kept_heads"]]
         out["kept ffn channels per layer"] = st["intermediate_sizes"]
@@ -96,11 +91,9 @@ def settings_of(wc: dict) -> dict:
 def load_export(path: Path, *, verify: bool = True, trust_remote_code: bool = False):
     """Load an export of either format (a ``PrunedModel``), CPU, fp32, argmax routing; an hf
     export's shipped code runs only with ``trust_remote_code``."""
-    from wide_cli.artifacts import read_wide_config
     from wide_cli.export.loader import load_pruned
 
-    wc = read_wide_config(path)
-    if export_format(path, wc) == "hf":
+    if ExportInfo.read(path).export_format == "hf":
         from wide_cli.export.hf_format import load_hf_export
 
         return load_hf_export(path, verify=verify, trust_remote_code=trust_remote_code)
@@ -174,10 +167,11 @@ def trace_prompt(model, tokenizer, prompt: str, wide_config: dict) -> PromptTrac
     for layer, module, ex in trace:  # ex: [B=1, T, G] bool
         execute[module][layer] = ex[0].tolist()
     static = False
-    st = wide_config.get("static")
+    info = ExportInfo(wide_config)
+    st = info.static_width
     if not trace and st:
         static = True
-        lay = wide_config.get("layout") or {}
+        lay = info.layout
         G = {"attention": lay.get("attn_groups"), "ffn": lay.get("ffn_groups")}
         for m in MODULES:
             for i, kept in enumerate(st["kept_groups"][m]):
@@ -251,7 +245,7 @@ def inspect_export(
         CheckpointError: not an export, or a missing / damaged file (named).
         ConfigError: ``layer`` out of range, or ``layer`` without ``prompt``.
     """
-    from wide_cli.artifacts import check_manifest_owner, read_wide_config, verify_manifest
+    from wide_cli.artifacts import check_manifest_owner, verify_manifest
 
     path = Path(path)
     if not path.is_dir():
@@ -261,19 +255,18 @@ def inspect_export(
     if verify:
         check_manifest_owner(path)
         verify_manifest(path)
-    wc = read_wide_config(path)
-    fmt = export_format(path, wc)
-    method = wc.get("method") or (wc.get("routing") or {}).get("method", "wide")
+    info = ExportInfo.read(path)
+    wc, fmt, method = info.wide_config, info.export_format, info.method
     n_layers = _num_layers(path)
     if layer is not None and not 0 <= layer < n_layers:
         raise ConfigError(f"--layer {layer} is out of range: the model has {n_layers} layers",
                           f"use 0..{n_layers - 1}, or omit --layer to summarise all layers")
     sparsity = wc.get("measured_sparsity") or None
-    source = f"stored in wide_config.json ({sparsity.get('data', 'held-out data')})" if sparsity else "none stored"
+    source = f"stored in {WIDE_CONFIG} ({sparsity.get('data', 'held-out data')})" if sparsity else "none stored"
     trace = None
     if text is not None or prompt is not None:
         pm = load_export(path, verify=False, trust_remote_code=trust_remote_code)  # verified above
-        if text is not None and wc.get("static"):  # no routers: the kept groups are the sparsity
+        if text is not None and info.static_width:  # no routers: the kept groups are the sparsity
             from wide_cli.routing.measure import static_sparsity
 
             sparsity = static_sparsity(wc)
@@ -296,7 +289,8 @@ def inspect_export(
 
 
 def _num_layers(path: Path) -> int:
+    p = Path(path) / CONFIG_JSON
     try:
-        return int(json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"])
+        return int(json.loads(p.read_text())["num_hidden_layers"])
     except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{Path(path) / 'config.json'} is unreadable ({e})", "re-run `wide export`") from None
+        raise CheckpointError(f"{p} is unreadable ({e})", "re-run `wide export`") from None

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from wide_cli.errors import CheckpointError
+from wide_cli.filenames import CONFIG_JSON, WEIGHTS_FILE, WEIGHTS_INDEX
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -24,7 +25,7 @@ def safetensors_files(path) -> list[Path] | None:
         OSError: the index cannot be read.
     """
     path = Path(path)
-    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    single, index = path / WEIGHTS_FILE, path / WEIGHTS_INDEX
     if single.is_file():
         return [single]
     if not index.is_file():
@@ -143,5 +144,5 @@ def check_export_shapes(path, config, *, error=CheckpointError,
     if not shapes:
         return
     files = sorted(set(where.values()))
-    check_config_matches(config, shapes, config_file=Path(path) / "config.json",
+    check_config_matches(config, shapes, config_file=Path(path) / CONFIG_JSON,
                          weights_file=files[0] if len(files) == 1 else f"{len(files)} shards", error=error, hint=hint)

@@ -35,6 +35,7 @@ import torch
 
 from wide_cli.atomic import atomic_directory
 from wide_cli.errors import ConfigError, DataError, ModelSourceError
+from wide_cli.filenames import CONFIG_JSON, TOKENIZER_CONFIG, TOKENIZER_JSON
 from wide_cli.models.arch import SUPPORTED_ARCHITECTURES, check_supported
 
 logger = logging.getLogger("wide")
@@ -252,7 +253,7 @@ def _convert_gguf(gguf: Path, final: Path, provenance: dict, current=None) -> No
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        cfg_path = tmp / "config.json"
+        cfg_path = tmp / CONFIG_JSON
         cfg = json.loads(cfg_path.read_text())
         if cfg.pop("quantization_config", None) is not None:
             cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -285,7 +286,7 @@ def _resolve_smollm2() -> tuple[Path, str, str]:
     final = cache_root() / "models" / "smollm2-135m"
 
     def current(prov: dict | None) -> bool:
-        return prov is not None and prov.get("package_version") == version and (final / "config.json").exists()
+        return prov is not None and prov.get("package_version") == version and (final / CONFIG_JSON).exists()
 
     if not current(_read_source_file(final)):
         _convert_gguf(gguf, final, {"alias": "smollm2-135m", "package": SMOLLM2_PACKAGE,
@@ -299,7 +300,7 @@ def _resolve_gguf(path: Path) -> tuple[Path, str, str]:
     final = cache_root() / "models" / f"gguf-{digest[:16]}"
 
     def current(prov: dict | None) -> bool:
-        return prov is not None and prov.get("gguf_sha256") == digest and (final / "config.json").exists()
+        return prov is not None and prov.get("gguf_sha256") == digest and (final / CONFIG_JSON).exists()
 
     if not current(_read_source_file(final)):
         _convert_gguf(path, final, {"gguf_file": path.name, "gguf_sha256": digest}, current)
@@ -346,7 +347,7 @@ def _resolve_hub(repo_id: str) -> tuple[Path, str, str | None]:
             f"on a machine with network run `hf download {repo_id}` (then copy ~/.cache/huggingface), "
             f"or pass a local model directory; aliases: {', '.join(MODEL_ALIASES)}",
         ) from e
-    if not (path / "config.json").exists():
+    if not (path / CONFIG_JSON).exists():
         raise ModelSourceError(f"the cached snapshot of {repo_id!r} at {path} has no config.json",
                                f"re-download it with `hf download {repo_id}`")
     revision = path.name if re.fullmatch(r"[0-9a-f]{40}", path.name) else None
@@ -378,7 +379,7 @@ def resolve_source(spec: str) -> tuple[Path, str, str | None]:
                                    f"check the path; aliases: {', '.join(MODEL_ALIASES)}")
         return _resolve_gguf(path.resolve())
     if path.is_dir():
-        if not (path / "config.json").exists():
+        if not (path / CONFIG_JSON).exists():
             raise ModelSourceError(f"directory {spec!r} has no config.json",
                                    "pass a Hugging Face model directory (config.json + weights + tokenizer)")
         return path.resolve(), f"{path.resolve().name} (local directory)", None
@@ -410,10 +411,10 @@ def load_tokenizer(path: str | Path):
 
     path = Path(path)
     try:
-        declared = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        declared = json.loads((path / TOKENIZER_CONFIG).read_text()).get("tokenizer_class")
     except (OSError, ValueError):
         declared = None
-    if declared in _GENERIC_TOKENIZER_CLASSES and (path / "tokenizer.json").exists():
+    if declared in _GENERIC_TOKENIZER_CLASSES and (path / TOKENIZER_JSON).exists():
         from transformers import PreTrainedTokenizerFast  # TokenizersBackend in transformers 5
 
         return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
@@ -493,8 +494,8 @@ def model_provenance(spec: str, local_dir: Path, revision: str | None) -> dict:
         ident = spec
     elif spec.lower().endswith(".gguf") or Path(spec).expanduser().exists():
         ident = Path(spec).name
-        if Path(spec).expanduser().is_dir() and (local_dir / "config.json").is_file():
-            prov["config_sha256"] = _sha256(local_dir / "config.json")
+        if Path(spec).expanduser().is_dir() and (local_dir / CONFIG_JSON).is_file():
+            prov["config_sha256"] = _sha256(local_dir / CONFIG_JSON)
     else:
         ident = spec  # a Hugging Face hub id
     return {"id": ident, **prov, **({"revision": revision} if revision else {})}

@@ -64,6 +64,9 @@ def prune(settings: Settings, run_dir: Path, out: Path | None = None, *, resume:
     settings = effective_settings(settings)
     run = RunDir(Path(run_dir))
     out = Path(out) if out else run.default_export
+    # before any work: a refused --out or a run with nothing to evaluate on costs nothing
+    stages.check_export_destination(settings, run, out)
+    stages.check_eval_data(settings)
     info = distributed.init(settings.model.device)
     if not info.is_main:  # rank 0 alone logs, checkpoints and exports
         progress, log = False, (lambda msg: None)

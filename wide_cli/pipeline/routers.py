@@ -11,16 +11,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from wide_cli.artifacts import (
-    ADAPTER_FILE,
-    RESULT_JSON,
-    ROUTERS_FILE,
-    STATS_FILE,
-    read_routers,
-    sha256_file,
-)
+from wide_cli.artifacts import read_routers, sha256_file
 from wide_cli.atomic import atomic_save_safetensors
 from wide_cli.errors import CheckpointError, ConfigError
+from wide_cli.filenames import ADAPTER_FILE, RESULT_JSON, ROUTERS_FILE, STATS_FILE
 from wide_cli.models.arch import ROUTED_MODULES
 from wide_cli.pipeline.common import load_backbone
 from wide_cli.pipeline.rundir import RunDir

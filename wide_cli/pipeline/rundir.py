@@ -9,11 +9,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from wide_cli.artifacts import RUN_FORMAT_VERSION, check_format_version
 from wide_cli.atomic import atomic_write_json
 from wide_cli.errors import CheckpointError
+from wide_cli.filenames import RUN_JSON
 from wide_cli.version import __version__
 
-RUN_JSON = "run.json"
 LOCK = ".lock"
 
 
@@ -44,13 +45,22 @@ class RunDir:
         return self.root / "export"
 
     def read_run(self) -> dict | None:
+        """``run.json`` (None when the directory holds no run yet).
+
+        Raises:
+            CheckpointError: not JSON, or written by a newer wide (``check_format_version``).
+        """
         p = self.root / RUN_JSON
         if not p.is_file():
             return None
         try:
-            return json.loads(p.read_text())
+            doc = json.loads(p.read_text())
         except ValueError as e:
             raise CheckpointError(f"{p} is corrupt ({e})", "delete the run directory to start over") from None
+        if not isinstance(doc, dict):
+            raise CheckpointError(f"{p} is corrupt (not a JSON object)", "delete the run directory to start over")
+        check_format_version(doc, RUN_FORMAT_VERSION, p)
+        return doc
 
 
 def model_identity(loaded) -> dict:
@@ -76,7 +86,8 @@ def record_run(run: RunDir, settings_dict: dict, model_id: dict, *, resume: bool
             "use another --run-dir for this model",
         )
     atomic_write_json(
-        run.root / RUN_JSON, {"wide_version": __version__, "model": model_id, "settings": settings_dict}
+        run.root / RUN_JSON,
+        {"format_version": RUN_FORMAT_VERSION, "wide_version": __version__, "model": model_id, "settings": settings_dict},
     )
 
 

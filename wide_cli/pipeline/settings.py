@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import types
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import tomllib
 
-from wide_cli.errors import ConfigError
+from wide_cli.errors import ConfigError, refuse_non_finite
 from wide_cli.routing.config import RoutingConfig
 from wide_cli.train.config import TrainConfig
 
@@ -51,6 +54,7 @@ class DataSection:
     self_generated_tokens: int = 192
 
     def __post_init__(self):
+        refuse_non_finite(self)
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ConfigError(f"heldout-fraction {self.heldout_fraction} must be in [0, 1)")
         if self.self_generated < 0 or self.self_generated_tokens < 1:
@@ -76,8 +80,14 @@ class Stage2Config:
     joint: bool = False
 
     def __post_init__(self):
+        refuse_non_finite(self, {"lr": "lora-lr"})
         if self.steps < 1:
             raise ConfigError(f"stage2 steps {self.steps} must be >= 1")
+        if not self.lr > 0:
+            raise ConfigError(f"lora-lr {self.lr} must be > 0")
+        if not self.lora_alpha > 0:
+            raise ConfigError(f"lora-alpha {self.lora_alpha} must be > 0",
+                              "the LoRA update is scaled by alpha / rank: 0 leaves the model unchanged")
         if self.lora_rank < 1:
             raise ConfigError(f"lora-rank {self.lora_rank} must be >= 1")
         if not 0 <= self.lora_dropout < 1:
@@ -145,12 +155,55 @@ def _suggest(key: str, allowed) -> str:
     return f"did you mean {close[0]!r}?" if close else f"allowed: {', '.join(sorted(allowed))}"
 
 
+_EXPECTED = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _kind(value) -> str:
+    """What a TOML value is, in the words of ``_EXPECTED``."""
+    for t in (bool, int, float, str):  # bool before int: True is an int to Python
+        if isinstance(value, t):
+            return _EXPECTED[t]
+    return {list: "a list", dict: "a table"}.get(type(value), f"a {type(value).__name__}")
+
+
+def _checked(origin: str, section: str, key: str, value, hint):
+    """``value`` of recipe key ``[section] key`` checked against the field's type ``hint``
+    (``X | None`` means ``X``: TOML has no null); an integer is accepted for a number and
+    returned as a float.
+
+    Raises:
+        ConfigError: naming the section, key, expected type and value (a quoted number or boolean
+            is a string, never read as what it spells).
+    """
+    if isinstance(hint, types.UnionType):
+        if value is None and type(None) in typing.get_args(hint):  # a resolved ``run.json`` keeps None
+            return value
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is tuple:
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        expected = "a list of strings"
+    elif hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    elif hint not in _EXPECTED:
+        return value  # a type this check does not know is left to the section's validation
+    elif isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
+        return value
+    else:
+        expected = _EXPECTED[hint]
+    raise ConfigError(
+        f"{origin}: [{section}] {key} must be {expected}, got {json.dumps(value, default=str)} ({_kind(value)})",
+        "write it without quotes" if isinstance(value, str) and hint in (int, float, bool) else None,
+    )
+
+
 def settings_from_dict(raw: dict, *, origin: str = "recipe") -> Settings:
     """Build validated Settings from a nested dict (a parsed recipe).
 
     Raises:
-        ConfigError: unknown section or key (suggesting the nearest valid one), or a value
-            rejected by a section's validation (naming the field).
+        ConfigError: unknown section or key (suggesting the nearest valid one), a value of the
+            wrong type (naming section, key, expected type and value), or a value rejected by a
+            section's validation (naming the field).
     """
     sections = {}
     for name, values in raw.items():
@@ -165,6 +218,8 @@ def settings_from_dict(raw: dict, *, origin: str = "recipe") -> Settings:
         for k in values:
             if k not in allowed:
                 raise ConfigError(f"{origin}: unknown key {name}.{k}", _suggest(k, allowed))
+        hints = typing.get_type_hints(cls)
+        values = {k: _checked(origin, name, k, v, hints[k]) for k, v in values.items()}
         try:
             sections[name] = cls(**values)
         except TypeError as e:

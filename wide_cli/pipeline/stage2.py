@@ -12,8 +12,9 @@ import dataclasses
 
 import torch
 
-from wide_cli.artifacts import ADAPTER_FILE, RESULT_JSON, ROUTERS_FILE, is_router_tensor
+from wide_cli.artifacts import is_router_tensor
 from wide_cli.atomic import atomic_save_safetensors, atomic_write_json
+from wide_cli.filenames import ADAPTER_FILE, RESULT_JSON, ROUTERS_FILE
 from wide_cli.pipeline.common import load_backbone, packed_data, stage_identity
 from wide_cli.pipeline.routers import routed_model_from_run, stage1_routers_sha256
 from wide_cli.pipeline.rundir import model_identity, record_run

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from wide_cli.artifacts import ADAPTER_FILE, STATS_FILE, is_router_tensor
+from wide_cli.artifacts import is_router_tensor
 from wide_cli.atomic import atomic_write_json
 from wide_cli.errors import CheckpointError, ConfigError
+from wide_cli.filenames import ADAPTER_FILE, RESULT_JSON, STATS_FILE
 from wide_cli.pipeline.common import load_backbone, packed_data, stage_identity
 from wide_cli.pipeline.routers import (
     attach,
@@ -189,6 +190,7 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
     from wide_cli.export.writer import export_model
     from wide_cli.routing.config import resolve_groups
 
+    check_export_destination(settings, run, out)
     if export_format == "hf" and settings.routing.standin != "none":
         raise ConfigError(f"--format hf cannot carry the stand-ins of standin={settings.routing.standin!r}",
                           "export with --format wide (the runtime, wide eval and wide bench apply them)")
@@ -208,7 +210,7 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
     layout = resolve_groups(settings.routing, state.shape, warn=False)
     train_info = {}
     for stage in ("stage1", "stage2"):
-        p = getattr(run, stage) / "result.json"
+        p = getattr(run, stage) / RESULT_JSON
         if p.is_file():
             r = json.loads(p.read_text())
             train_info[stage] = {k: r.get(k) for k in ("steps", "tokens", "seconds", "final")}
@@ -251,6 +253,28 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
         ) from e
 
 
+def check_export_destination(settings: Settings, run: RunDir, out: Path) -> None:
+    """Refuse an export destination that would destroy what wide did not write (see
+    ``artifacts.check_export_target``): besides a file, a link or a foreign directory, the run
+    directory, anything inside it but its default ``export/``, and the model source (the local
+    path given, and the local copy the run recorded) are never replaced, nor is a directory
+    holding them.
+
+    Raises:
+        ConfigError: naming ``out`` and what it is.
+    """
+    from wide_cli.artifacts import check_export_target
+
+    recorded = (run.read_run() or {}).get("model") or {}
+    spec = Path(settings.model.name).expanduser()
+    local = recorded.get("resolved_dir")
+    check_export_target(out, protected=[
+        ("the run directory", run.root),
+        ("the model source", spec if spec.exists() else None),
+        ("the model source's local copy", Path(local) if local and local != "None" else None),
+    ], inside=(run.root, run.default_export))
+
+
 def shareable(value: str | None) -> str | None:
     """``value`` as an export may record it: a local file or directory (or any absolute path)
     becomes its name, so a shared export names no path of the machine that built it; aliases,
@@ -284,11 +308,27 @@ def _write_failure(e: Exception) -> str | None:
 
 
 # ----------------------------------------------------------------------------- evaluate
+def check_eval_data(settings: Settings) -> None:
+    """Refuse settings that leave the evaluation nothing to read: no ``data.eval`` and no
+    held-out split (``heldout_fraction`` 0). Cheap, so ``prune`` calls it before calibrating.
+
+    Raises:
+        ConfigError: naming the fraction and both fixes.
+    """
+    if not settings.data.eval and settings.data.heldout_fraction == 0:
+        raise ConfigError("--heldout-fraction 0 leaves no held-out data to evaluate on",
+                          "pass --eval-data FILE or --heldout-fraction > 0")
+
+
 def eval_stream(settings: Settings, tokenizer, run: RunDir) -> tuple[torch.Tensor, str]:
     """The token stream for perplexity: ``data.eval`` when set, else the held-out split.
 
     Returns ``(ids [N] int64, description)``.
+
+    Raises:
+        ConfigError: neither (``check_eval_data``).
     """
+    check_eval_data(settings)
     if settings.data.eval:
         from wide_cli.data.sources import read_documents
 

@@ -21,6 +21,7 @@ import torch
 
 from wide_cli.cost import fraction_after
 from wide_cli.errors import ConfigError
+from wide_cli.filenames import RESULT_JSON
 from wide_cli.models.depth import drop_for_hybrid, is_layer_pruned, remove_layers
 from wide_cli.routing.config import RoutingConfig
 
@@ -215,8 +216,8 @@ def train(settings, run, *, loaded, resume: bool = False, progress: bool = True)
 
 def heal_run(settings, run, *, loaded, resume: bool = False, progress: bool = True):
     """LoRA healing of the run's layer-pruned model; writes ``<run>/stage2/adapter.safetensors``."""
-    from wide_cli.artifacts import ADAPTER_FILE
     from wide_cli.atomic import atomic_save_safetensors
+    from wide_cli.filenames import ADAPTER_FILE
     from wide_cli.pipeline.common import packed_data
     from wide_cli.routing import attach_routers
     from wide_cli.train.loop import train_stage
@@ -253,7 +254,7 @@ def healing_model(model, removed: list[int]):
 def pruned_model_from_run(settings, run, *, loaded):
     """The run's smaller model: the selected layers removed, the healing adapter merged when the
     run's stage 2 is on and done. Returns ``(model, selection, healed)``."""
-    from wide_cli.artifacts import ADAPTER_FILE
+    from wide_cli.filenames import ADAPTER_FILE
 
     sel = read_selection(run)
     model = remove_layers(loaded.model, sel["removed"])
@@ -286,7 +287,7 @@ def export(settings, run, out: Path, *, loaded, export_format: str = "wide"):
                           "a static-depth export is already a plain transformers checkpoint; omit --format")
     model, sel, healed = pruned_model_from_run(settings, run, loaded=loaded)
     train_info = {}
-    p = run.stage2 / "result.json"
+    p = run.stage2 / RESULT_JSON
     if healed and p.is_file():
         r = json.loads(p.read_text())
         train_info["stage2"] = {k: r.get(k) for k in ("steps", "tokens", "seconds", "final")}

@@ -6,7 +6,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from wide_cli.errors import ConfigError
+from wide_cli.errors import ConfigError, refuse_non_finite
 from wide_cli.models.arch import ModelShape
 
 if TYPE_CHECKING:
@@ -78,6 +78,7 @@ class RoutingConfig:
     drop_layers: int = 0
 
     def __post_init__(self):
+        refuse_non_finite(self)
         if self.method not in METHODS:
             raise ConfigError(f"unknown method {self.method!r}", f"choose one of {', '.join(METHODS)}")
         for name in ("sparsity", "sparsity_attention", "sparsity_ffn"):

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from wide_cli.artifacts import parse_router_name
+from wide_cli.artifacts import ExportInfo, parse_router_name
 from wide_cli.errors import CheckpointError, ConfigError
+from wide_cli.filenames import CONFIG_JSON, ROUTERS_FILE, WIDE_CONFIG
 from wide_cli.runtime.backend import LayerWeights, ModelWeights, RouterWeights
 
 
@@ -35,17 +36,17 @@ class RoutingInfo:
     ffn_group_size: int | None = None
 
     @classmethod
-    def from_wide_config(cls, wc: dict | None) -> RoutingInfo:
+    def from_wide_config(cls, wc: dict | ExportInfo | None) -> RoutingInfo:
+        """From an export's ``wide_config.json`` (a dict or its ``ExportInfo``); what runs is
+        ``ExportInfo.routing_method`` (a static-depth export routes nothing: ``dense``)."""
         if not wc:
             return cls()
-        routing = wc.get("routing") or {}
-        layout = wc.get("layout") or {}
-        # routing.method is what runs (a static-depth export routes nothing: "dense")
-        method = routing.get("method") or wc.get("method") or "wide"
+        info = wc if isinstance(wc, ExportInfo) else ExportInfo(wc)
+        routing, layout = info.routing, info.layout
         return cls(
-            method=method,
-            route_attention=bool(routing.get("route_attention", True)) and method != "dense",
-            route_ffn=bool(routing.get("route_ffn", True)) and method != "dense",
+            method=info.routing_method,
+            route_attention="attention" in info.routed_modules,
+            route_ffn="ffn" in info.routed_modules,
             attn_group_size=layout.get("attn_group_size") or routing.get("attn_group_size"),
             ffn_group_size=layout.get("ffn_group_size") or routing.get("ffn_group_size"),
         )
@@ -153,7 +154,7 @@ def weights_from_tensors(
     if lm_head is None:
         if not tie:
             raise _ckpt_error(
-                "tensor lm_head.weight is missing and config.json has tie_word_embeddings=false",
+                f"tensor lm_head.weight is missing and {CONFIG_JSON} has tie_word_embeddings=false",
                 "the checkpoint lost its output layer; re-export it, or set tie_word_embeddings if it is tied",
             )
         lm_head = embed
@@ -251,13 +252,13 @@ def _layer_weights(i, w, D, d, info: RoutingInfo, r_att, r_ffn, window) -> Layer
         routers[mod] = keeps[mod] = None
         if not on:
             if t:
-                raise shape_err(f"router_{mod} tensors present but {mod} is not routed in wide_config.json")
+                raise shape_err(f"router_{mod} tensors present but {mod} is not routed in {WIDE_CONFIG}")
             continue
         if units % gs:
             raise shape_err(f"{mod} group size {gs} does not divide its {units} {'heads' if mod == 'attention' else 'channels'}")
         G = units // gs
         if not t:
-            raise _ckpt_error(f"layer {i}: router_{mod} tensors are missing", "re-run `wide export` (routers.safetensors)")
+            raise _ckpt_error(f"layer {i}: router_{mod} tensors are missing", f"re-run `wide export` ({ROUTERS_FILE})")
         if "keep" in t:
             keep = t["keep"].bool()
             if keep.numel() != G:
@@ -330,44 +331,42 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
     from transformers import AutoConfig
 
     from wide_cli.artifacts import (
-        ROUTERS_FILE,
         check_manifest_owner,
         read_backbone,
         read_routers,
-        read_wide_config,
         split_router_tensors,
         verify_manifest,
     )
-    from wide_cli.export.hf_format import hf_export_config, is_hf_export
+    from wide_cli.export.hf_format import hf_export_config
     from wide_cli.models.consistency import check_config_matches
 
     path = Path(path)
     if verify:
         check_manifest_owner(path)
         verify_manifest(path)
-    wcfg = read_wide_config(path)
-    hf = is_hf_export(path)  # read as data into wide's own config class; its .py files never run
+    export = ExportInfo.read(path)
+    hf = export.export_format == "hf"  # read as data into wide's own config class; its .py files never run
     try:
         config = hf_export_config(path) if hf else AutoConfig.from_pretrained(
             path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise _ckpt_error(f"cannot read {path / 'config.json'}: {e}") from None
+        raise _ckpt_error(f"cannot read {export.config_path}: {e}") from None
     if getattr(config, "wide_layer_heads", None) is not None:
         raise ConfigError(f"{path} is a physically narrowed static-width hf export, which the runtime does not run",
                           "run the `--format wide` export of the same run (`wide export --run-dir R`)")
-    info = RoutingInfo.from_wide_config(wcfg)
+    info = RoutingInfo.from_wide_config(export)
     from wide_cli.quant import dequantize_state_dict
 
-    tensors, quantized = dequantize_state_dict(read_backbone(path), str(path / "model.safetensors"))
-    check_config_matches(config, {k: tuple(v.shape) for k, v in tensors.items()}, config_file=path / "config.json",
-                         weights_file="model.safetensors", error=CheckpointError)
+    tensors, quantized = dequantize_state_dict(read_backbone(path), str(export.weights_path))
+    check_config_matches(config, {k: tuple(v.shape) for k, v in tensors.items()}, config_file=export.config_path,
+                         weights_file=export.weights_path.name, error=CheckpointError)
     routers = {}
     if hf:  # the routers sit with the backbone in one set of weight files
         tensors, routers = split_router_tensors(tensors)
     elif info.method != "dense" and (info.route_attention or info.route_ffn):
-        routers = read_routers(path / ROUTERS_FILE)
+        routers = read_routers(export.routers_path)
     extra_eos = None
-    gen = path / "generation_config.json"
+    gen = export.generation_config_path
     if gen.is_file():
         try:
             extra_eos = json.loads(gen.read_text()).get("eos_token_id")

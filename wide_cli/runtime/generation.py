@@ -125,6 +125,10 @@ def generate(
         on_text: called as ``on_text(row, text_delta)`` while tokens stream in.
         prefill_chunk: prompt tokens per forward (bounds activation memory of long prompts;
             None = the whole prompt at once). Results do not depend on it.
+
+    Raises:
+        ConfigError: ``max_new_tokens`` < 1, a prompt of no tokens (naming it), a prompt (+ new
+            tokens) longer than the model's context.
     """
     from wide_cli.models.arch import check_context
 
@@ -134,8 +138,9 @@ def generate(
     if not prompts:
         raise ValueError("no prompts")
     ids = encode_prompts(rt.tokenizer, prompts)
-    if any(len(p) == 0 for p in ids):
-        raise ValueError("empty prompt (no tokens)")
+    for i, p in enumerate(ids):
+        if len(p) == 0:
+            raise ConfigError(f"prompt {i + 1} of {len(ids)} has no tokens", "give a non-empty prompt")
     longest = max(len(p) for p in ids)
     check_context(longest, rt.max_positions, f"a prompt of {longest} tokens",
                   "shorten the prompt (or use a model with a longer context)")

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from wide_cli.errors import ConfigError
+from wide_cli.filenames import TOKENIZER_JSON, WEIGHTS_FILE
 
 GGUF_TYPES = ("F16", "Q8_0", "Q4_0")
 # llama.cpp block formats: 32 weights per block, one f16 scale (Q4_0: 4-bit, offset 8)
@@ -42,7 +43,7 @@ def _vocab(export_dir: Path, tokenizer, vocab_size: int):
     from gguf import TokenType
 
     merges: list[str] = []
-    tj = export_dir / "tokenizer.json"
+    tj = export_dir / TOKENIZER_JSON
     if tj.is_file():
         model = json.loads(tj.read_text()).get("model") or {}
         if model.get("type") == "BPE":
@@ -86,7 +87,7 @@ def write_gguf(export_dir, out_path, gguf_type: str = "F16") -> Path:
         raise ConfigError(f"unknown GGUF type {gguf_type!r}", f"choose one of {', '.join(GGUF_TYPES)}")
     export_dir, out_path = Path(export_dir), Path(out_path)
     config = AutoConfig.from_pretrained(export_dir, local_files_only=True)
-    tensors, _ = dequantize_state_dict(read_backbone(export_dir), str(export_dir / "model.safetensors"))
+    tensors, _ = dequantize_state_dict(read_backbone(export_dir), str(export_dir / WEIGHTS_FILE))
     tokenizer = load_tokenizer(export_dir)
     odd = [n for n in tensors if n.endswith(".bias") or "q_norm" in n or "k_norm" in n]
     params = dict(getattr(config, "rope_parameters", None) or {})

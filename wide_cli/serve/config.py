@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from wide_cli.artifacts import CONFIG_JSON, WIDE_CONFIG
+from wide_cli.artifacts import CONFIG_JSON, WIDE_CONFIG, ExportInfo
 from wide_cli.errors import CheckpointError, ConfigError, ModelSourceError
 
 #: base ``model_type`` -> the plugin's architecture name.
@@ -90,9 +90,9 @@ def serve_plan(export, *, mode: str = "routed") -> ServePlan:
         raise CheckpointError(f"{path} is not a directory", "pass an export directory written by `wide export`")
     if not (path / WIDE_CONFIG).is_file():
         raise CheckpointError(f"{path} is not a wide export (no {WIDE_CONFIG})", "export one with `wide export`")
-    wcfg = _read_json(path / WIDE_CONFIG, WIDE_CONFIG)
-    cfg = _read_json(path / CONFIG_JSON, CONFIG_JSON)
-    export_format = wcfg.get("export_format", "wide")
+    info = ExportInfo.read(path)
+    wcfg, cfg = info.wide_config, _read_json(info.config_path, CONFIG_JSON)
+    export_format = info.export_format
     base_type = str(cfg.get("model_type", "")).removeprefix("wide_")
     arch = SERVED_ARCHITECTURES.get(base_type)
     if arch is None:
@@ -106,7 +106,7 @@ def serve_plan(export, *, mode: str = "routed") -> ServePlan:
             f"{path} is a static-width --format hf export with per-layer widths, which the vLLM plugin does not serve",
             "serve the run's `wide export --format wide` export instead",
         )
-    method = str(wcfg.get("method") or wcfg.get("routing", {}).get("method", "wide"))
+    method = info.method
     overrides: dict = {}
     if export_format == "hf":
         if mode != "routed":

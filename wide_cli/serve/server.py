@@ -22,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from wide_cli.artifacts import CONFIG_JSON
 from wide_cli.errors import ConfigError, WideError
 from wide_cli.serve.config import ServePlan, check_tensor_parallel
 
@@ -76,7 +77,7 @@ def check_port_free(host: str, port: int) -> None:
 
 def check_plan_tp(plan: ServePlan, tp: int) -> None:
     """``check_tensor_parallel`` with the export's sizes."""
-    cfg = json.loads((plan.path / "config.json").read_text())
+    cfg = json.loads((plan.path / CONFIG_JSON).read_text())
     layout = plan.overrides.get("wide_routing", cfg.get("wide_routing", {})).get("layout", {})
     H = int(cfg["num_attention_heads"])
     check_tensor_parallel(

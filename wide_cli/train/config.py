@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from wide_cli.errors import ConfigError
+from wide_cli.errors import ConfigError, refuse_non_finite
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -54,6 +54,7 @@ class TrainConfig:
     distill_temperature: float = 1.0
 
     def __post_init__(self):
+        refuse_non_finite(self)
         if not 0.0 <= self.distill <= 1.0:
             raise ConfigError(f"distill {self.distill} must be in [0, 1]", "0 = LM loss only, 1 = distillation only")
         if not self.distill_temperature > 0:
@@ -65,6 +66,10 @@ class TrainConfig:
             raise ConfigError(f"seq-len {self.seq_len} must be >= 2")
         if not self.lr > 0:
             raise ConfigError(f"lr {self.lr} must be > 0")
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight-decay {self.weight_decay} must be >= 0")
+        if self.grad_clip < 0:
+            raise ConfigError(f"grad-clip {self.grad_clip} must be >= 0", "0 turns clipping off")
         if not 0 <= self.warmup_frac < 1:
             raise ConfigError(f"warmup fraction {self.warmup_frac} must be in [0, 1)")
         if self.checkpoint_every < 0:

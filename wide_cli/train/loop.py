@@ -23,13 +23,14 @@ import torch
 
 from wide_cli.atomic import atomic_directory, atomic_write_json
 from wide_cli.errors import CheckpointError, TrainingDivergedError
+from wide_cli.filenames import RESULT_JSON
 from wide_cli.routing.gumbel import cost_loss, sparsity_loss, temperature_at
 from wide_cli.train.config import TrainConfig
 from wide_cli.train.data_order import batch_indices
 from wide_cli.train.memory import check_plan, parse_bytes, plan_training
 
 CHECKPOINT = "checkpoint"
-RESULT = "result.json"
+RESULT = RESULT_JSON
 
 
 @dataclass

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from wide_cli.cli.options import Device, Dtype, JsonOpt, ThreadsOpt, TrustRemoteCodeOpt
+from wide_cli.filenames import MANIFEST
 
 Targets = Annotated[list[str] | None, typer.Argument(
     help="Models to compare, in order: export directories and/or model specs (alias, HF id, local dir, "
@@ -125,7 +126,7 @@ def _eval_run(run_dir: Path, json_out: bool) -> None:
     from wide_cli.pipeline.rundir import run_lock
 
     run, settings = _settings_for_run(run_dir, None, {})
-    export_dir = run.default_export if (run.default_export / "manifest.json").is_file() else None
+    export_dir = run.default_export if (run.default_export / MANIFEST).is_file() else None
     with run_lock(run):
         report = stages.evaluate(settings, run, export_dir)
     render.log(

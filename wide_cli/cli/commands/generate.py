@@ -50,6 +50,7 @@ def generate_cmd(
     from wide_cli.runtime.engine import Runtime
     from wide_cli.runtime.sampling import SamplingConfig
 
+    check_prompts(prompt)
     quiet_libraries()
     from wide_cli.cli.threads import apply_threads
 
@@ -99,6 +100,20 @@ def generate_cmd(
         highlight=False,
         soft_wrap=True,
     )
+
+
+def check_prompts(prompts: list[str]) -> None:
+    """Refuse an empty ``--prompt`` before any model is loaded.
+
+    Raises:
+        ConfigError: naming the empty prompt (its position when several are given).
+    """
+    from wide_cli.errors import ConfigError
+
+    for i, p in enumerate(prompts):
+        if not p:
+            which = "--prompt" if len(prompts) == 1 else f"--prompt {i + 1} of {len(prompts)}"
+            raise ConfigError(f"{which} is empty", "give a non-empty prompt")
 
 
 def _prompts_for(rt, prompts: list[str], chat: bool) -> list:

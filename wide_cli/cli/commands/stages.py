@@ -12,12 +12,14 @@ from typing import Annotated
 import typer
 
 from wide_cli.cli import options
+from wide_cli.filenames import ADAPTER_FILE, RUN_JSON
 
 
 def _settings_for_run(run_dir: Path, recipe: str | None, flags: dict, model: str | None = None):
-    from wide_cli.errors import CheckpointError
+    from wide_cli.errors import CheckpointError, ConfigError
     from wide_cli.pipeline.rundir import RunDir
     from wide_cli.pipeline.settings import apply_overrides, load_recipe, settings_from_dict
+    from wide_cli.version import __version__
 
     run = RunDir(Path(run_dir))
     recorded = run.read_run()
@@ -25,7 +27,14 @@ def _settings_for_run(run_dir: Path, recipe: str | None, flags: dict, model: str
         base = load_recipe(recipe)
     elif recorded is not None:
         raw = dict(recorded["settings"])
-        base = settings_from_dict(raw, origin=str(run.root / "run.json"))
+        try:
+            base = settings_from_dict(raw, origin=str(run.root / RUN_JSON))
+        except ConfigError as e:
+            by = recorded.get("wide_version")
+            if not _newer(by):
+                raise
+            raise ConfigError(e.message, f"the run was written by wide {by}, this is wide {__version__}: upgrade wide, "
+                                         "or start a new --run-dir") from None
     else:
         raise CheckpointError(f"{run.root} holds no run (run.json missing)", "start with `wide calibrate MODEL --run-dir ...`")
     over = {options.FLAG_FIELDS[k]: v for k, v in flags.items() if k in options.FLAG_FIELDS}
@@ -34,6 +43,18 @@ def _settings_for_run(run_dir: Path, recipe: str | None, flags: dict, model: str
     from wide_cli.pipeline.common import effective_settings
 
     return run, effective_settings(apply_overrides(base, over))
+
+
+def _newer(version: str | None) -> bool:
+    """True when ``version`` (a recorded ``wide_version``) is newer than this wide."""
+    from packaging.version import InvalidVersion, Version
+
+    from wide_cli.version import __version__
+
+    try:
+        return version is not None and Version(version) > Version(__version__)
+    except InvalidVersion:
+        return False
 
 
 def calibrate_cmd(
@@ -181,7 +202,7 @@ def export_cmd(
         raise ConfigError("--weights int8 is stored only in --format wide exports (for wide's runtime)",
                           "drop --format hf, or export fp32 weights")
     run, settings = _settings_for_run(run_dir, None, {"lora": lora})
-    if lora and not (run.stage2 / "adapter.safetensors").is_file():
+    if lora and not (run.stage2 / ADAPTER_FILE).is_file():
         raise ConfigError(f"--lora: {run.stage2} holds no trained adapter",
                           f"run `wide train --run-dir {run.root} --stage 2` first, or drop --lora")
     quiet_libraries()
