@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # CPU speed against llama.cpp (docs/results/bench-cpu.{json,md}): `wide bench` on the demo export
 # (every system, both thread counts, perplexity per format and path) and on a cost-0.5 export
-# (the runtime only: the routed/dense ratio at half the dense FLOPs).
+# (HF, the runtime and llama.cpp Q8_0 / Q4_0: prefill at 128 and 1,024 tokens, decode batches of 1,
+# 4 and 16 rows, and perplexity per format and path).
 # Usage: benchmarks/bench_cpu.sh DEMO_EXPORT COST05_EXPORT [OUT_DIR]   (needs `make llama-setup`)
+# DEMO_EXPORT '-' skips the demo run; C05_THREADS=1 limits the cost-0.5 run to one thread (a machine where another job holds a core).
 # Run it on a quiet machine: the 2-thread rows measure whatever else holds a core.
 set -euo pipefail
 demo=$1
@@ -10,9 +12,11 @@ c05=$2
 out=${3:-docs/results}
 wide=${WIDE:-.venv/bin/wide}
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-$wide bench "$demo" --systems hf,dense,cpu,dense-torch,cpu-torch,llama.cpp --weights fp32,bf16,int8 \
-  --prefill-lengths 1024 --decode-batches 1 --new-tokens 128 --decode-prompt-len 64 --threads 1,2 \
-  --ppl-tokens 4096 --ppl-seq-len 512 --data-dir ../shared/data --json-out "$out/bench-cpu.json"
-$wide bench "$c05" --systems dense,cpu,dense-torch,cpu-torch,llama.cpp --weights fp32,bf16,int8 \
-  --prefill-lengths 1024 --decode-batches 1 --new-tokens 128 --decode-prompt-len 64 --threads 1,2 \
-  --json-out "$out/bench-cpu-cost05.json"
+if [ "$demo" != "-" ]; then
+  $wide bench "$demo" --systems hf,dense,cpu,dense-torch,cpu-torch,llama.cpp --weights fp32,bf16,int8 \
+    --prefill-lengths 1024 --decode-batches 1 --new-tokens 128 --decode-prompt-len 64 --threads 1,2 \
+    --ppl-tokens 4096 --ppl-seq-len 512 --data-dir ../shared/data --json-out "$out/bench-cpu.json"
+fi
+$wide bench "$c05" --systems hf,dense,cpu,llama.cpp --weights fp32,bf16,int8 --llama-cpp-types Q8_0,Q4_0 \
+  --prefill-lengths 128,1024 --decode-batches 1,4,16 --new-tokens 32 --decode-prompt-len 64 --threads ${C05_THREADS:-1,2} \
+  --ppl-tokens 2048 --ppl-seq-len 512 --data-dir ../shared/data --json-out "$out/bench-cpu-cost05.json"

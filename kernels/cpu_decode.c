@@ -33,6 +33,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -1453,6 +1454,29 @@ int64_t wide_gemm_simd(void) {
 }
 
 int64_t wide_decode_abi(void) { return WIDE_DECODE_ABI; }
+
+/* The struct layouts the caller's mirror must match (runtime/cpu_native.py checks them at load):
+ * out = [sizeof(WLayer), sizeof(WModel), then each field's offset, WLayer's then WModel's, in
+ * declaration order]. Returns the number of values written (at most cap). */
+int64_t wide_decode_layout(int64_t *out, int64_t cap) {
+#define WL(f) offsetof(WLayer, f)
+#define WM(f) offsetof(WModel, f)
+    const int64_t v[] = {
+        sizeof(WLayer), sizeof(WModel),
+        WL(H), WL(Hkv), WL(d), WL(ag), WL(GA), WL(fg), WL(GF), WL(window), WL(blocked), WL(qkv), WL(qkv_s), WL(o),
+        WL(o_s), WL(gu), WL(gu_s), WL(down), WL(down_s), WL(bqkv), WL(bo), WL(ln_attn), WL(ln_ffn), WL(q_norm),
+        WL(k_norm), WL(ra_w), WL(ra_b), WL(rf_w), WL(rf_b), WL(sa), WL(sf), WL(keep_a), WL(keep_f), WL(k_cache),
+        WL(v_cache),
+        WM(L), WM(D), WM(V), WM(max_len), WM(wfmt), WM(act_bf16), WM(head_fmt), WM(routing), WM(nthreads), WM(eps),
+        WM(rope_scale), WM(inv_freq), WM(embed), WM(final_norm), WM(head), WM(head_s), WM(layers),
+        WM(stat_skipped), WM(stat_decisions),
+    };
+#undef WL
+#undef WM
+    int64_t n = (int64_t)(sizeof(v) / sizeof(v[0]));
+    for (int64_t i = 0; i < n && i < cap; i++) out[i] = v[i];
+    return n;
+}
 
 void wide_decode_set_threads(int64_t n) { pool_resize(n); }
 

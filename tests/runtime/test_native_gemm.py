@@ -150,3 +150,13 @@ def test_two_threads_give_the_same_gemm_as_one(M, libs):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1])  # threads split output columns: the same sums per column
+
+
+def test_a_struct_mirror_that_differs_from_the_library_is_refused(libs, monkeypatch):
+    import ctypes
+
+    cpu_native._check_layout(libs["native"])  # the shipped mirror matches
+    bad = type("_WModel", (ctypes.Structure,), {"_fields_": cpu_native._WModel._fields_[:-1]})
+    monkeypatch.setattr(cpu_native, "_WModel", bad)
+    with pytest.raises(RuntimeError, match="struct layout"):
+        cpu_native._check_layout(libs["native"])

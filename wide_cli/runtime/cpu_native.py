@@ -125,16 +125,32 @@ _LIB: ctypes.CDLL | None = None
 _LIB_ERROR: str | None = None
 
 
+def _check_layout(lib: ctypes.CDLL) -> None:
+    """Raise RuntimeError unless ``_WLayer`` / ``_WModel`` have the C structs' sizes and field
+    offsets (``wide_decode_layout``): a mismatch would hand the step wrong pointers."""
+    want = [ctypes.sizeof(_WLayer), ctypes.sizeof(_WModel)]
+    for st in (_WLayer, _WModel):
+        want += [getattr(st, name).offset for name, _ in st._fields_]
+    buf = (_I64 * (len(want) + 8))()
+    lib.wide_decode_layout.restype = _I64
+    lib.wide_decode_layout.argtypes = [_P, _I64]
+    n = lib.wide_decode_layout(buf, len(buf))
+    got = list(buf[: min(n, len(buf))])
+    if got != want:
+        raise RuntimeError(f"native library struct layout {got[:2]}... differs from the Python mirror {want[:2]}...")
+
+
 def load(path: Path) -> ctypes.CDLL:
     """Load a built library and declare its functions.
 
     Raises:
-        RuntimeError: its ABI is not this module's. OSError: not loadable.
+        RuntimeError: its ABI or struct layout is not this module's. OSError: not loadable.
     """
     lib = ctypes.CDLL(str(path))
     lib.wide_decode_abi.restype = _I64
     if lib.wide_decode_abi() != ABI:
         raise RuntimeError(f"native library ABI {lib.wide_decode_abi()} != {ABI}")
+    _check_layout(lib)
     lib.wide_decode_step.restype = _I64
     lib.wide_decode_step.argtypes = [ctypes.POINTER(_WModel), _I64, _I64, _I64, _P, _P, _P]
     lib.wide_decode_scratch_floats.restype = _I64
