@@ -53,6 +53,9 @@
 #define WIDE_DECODE_ABI 5
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2 };
+/* The step's counters (cnt[]): executed weight, attention and router multiply-adds, weight bytes
+ * read (int8 scales included); runtime/cpu_native.py reads them in this order. */
+enum { CNT_MACS = 0, CNT_ATTN_MACS = 1, CNT_ROUTER_MACS = 2, CNT_WEIGHT_BYTES = 3, CNT_COUNT = 4 };
 
 typedef struct {
     int64_t H, Hkv, d, ag, GA, fg, GF, window; /* window 0: none; ag: heads per attention group */
@@ -847,7 +850,7 @@ static int64_t decide(const WModel *m, int64_t li, int64_t mod, const float *rw,
         for (int64_t j = 0; j < G; j++) n += ex[j] = keep[j] != 0;
     } else {
         dot_f32(rw, m->D, G, x, tmp);
-        cnt[2] += G * m->D;
+        cnt[CNT_ROUTER_MACS] += G * m->D;
         n = 0;
         for (int64_t j = 0; j < G; j++) n += ex[j] = (tmp[j] + rb[j]) >= 0.0f;
     }
@@ -1022,8 +1025,8 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
         rows[2 * nr + 1] = Nq + 2 * Nkv;
         run_rows_set(fmt, L->qkv, L->qkv_s, D, rows, nr + 1, &vh, qkv);
     }
-    cnt[0] += (na * cols + 2 * Nkv) * D;
-    cnt[3] += wbytes(fmt, na * cols + 2 * Nkv, D);
+    cnt[CNT_MACS] += (na * cols + 2 * Nkv) * D;
+    cnt[CNT_WEIGHT_BYTES] += wbytes(fmt, na * cols + 2 * Nkv, D);
     for (int64_t j = 0; j < L->GA; j++)
         for (int64_t hh = j * L->ag; hh < (j + 1) * L->ag; hh++) hx[hh] = exa[j];
     for (int64_t i = 0; i < Nq + 2 * Nkv; i++) {
@@ -1062,14 +1065,14 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
     AttnJob aj = {m, L, qkv, att, hx, scores, lo, S, m->max_len, 1.0f / sqrtf((float)d)};
     if (g_pool.n > 1 && na > 1) pool_run(attn_job, &aj);
     else attn_job(&aj, 0, 1);
-    cnt[1] += na * L->ag * d * 2 * (S - lo);
+    cnt[CNT_ATTN_MACS] += na * L->ag * d * 2 * (S - lo);
     /* O projection over the active head groups, then the residual add */
     if (L->bo) for (int64_t i = 0; i < D; i++) y[i] = L->bo[i];
     else memset(y, 0, (size_t)D * sizeof(float));
     Vec vatt = prepare_vec(fmt, att, Nq);
     run_k(fmt, L->blocked, L->o, L->o_s, D, cols, runs, nr, &vatt, y);
-    cnt[0] += na * cols * D;
-    cnt[3] += na * wbytes(fmt, D, cols);
+    cnt[CNT_MACS] += na * cols * D;
+    cnt[CNT_WEIGHT_BYTES] += na * wbytes(fmt, D, cols);
     for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
     add_standins(L->sa, exa, L->GA, D, bf, x, tmpD);
 
@@ -1084,8 +1087,8 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
         for (int64_t r = 0; r < 2 * nr; r++) rows[r] = runs[r] * 2 * fg;
         run_rows_set(fmt, L->gu, L->gu_s, D, rows, nr, &vh, hid);
     }
-    cnt[0] += nf * 2 * fg * D;
-    cnt[3] += wbytes(fmt, nf * 2 * fg, D);
+    cnt[CNT_MACS] += nf * 2 * fg * D;
+    cnt[CNT_WEIGHT_BYTES] += wbytes(fmt, nf * 2 * fg, D);
     /* SwiGLU into act [GF fg] (the reduction axis of down), active groups only */
     float *act = hid + L->GF * 2 * fg;
     for (int64_t r = 0; r < nr; r++)
@@ -1101,8 +1104,8 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
     memset(y, 0, (size_t)D * sizeof(float));
     Vec vact = prepare_vec(fmt, act, L->GF * fg);
     run_k(fmt, L->blocked, L->down, L->down_s, D, fg, runs, nr, &vact, y);
-    cnt[0] += nf * fg * D;
-    cnt[3] += nf * wbytes(fmt, D, fg);
+    cnt[CNT_MACS] += nf * fg * D;
+    cnt[CNT_WEIGHT_BYTES] += nf * wbytes(fmt, D, fg);
     for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
     add_standins(L->sf, exf, L->GF, D, bf, x, tmpD);
 }
@@ -1504,7 +1507,7 @@ int64_t wide_decode_step(const WModel *m, int64_t token, int64_t pos, int64_t sl
     rms_norm(x, m->final_norm, D, m->eps, m->act_bf16, h);
     Vec vh = prepare_vec(m->head_fmt, h, D);
     run_rows(m->head_fmt, m->head, m->head_s, D, 0, m->V, &vh, logits);
-    cnt[0] += m->V * D;
-    cnt[3] += wbytes(m->head_fmt, m->V, D);
+    cnt[CNT_MACS] += m->V * D;
+    cnt[CNT_WEIGHT_BYTES] += wbytes(m->head_fmt, m->V, D);
     return 0;
 }

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 SOURCE_NAME = "cpu_decode.c"
 ABI = 5
 FMT_CODE = {torch.float32: 0, torch.bfloat16: 1}  # int8 is 2
+# The step's counters, in the order of the C enum CNT_*.
+COUNTERS = ("macs", "attn_macs", "router_macs", "weight_bytes")
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
 
@@ -290,7 +292,7 @@ class NativeDecoder:
         mdl.stat_skipped, mdl.stat_decisions = _ptr(rt.stats.skipped), _ptr(rt.stats.decisions)
         self._cache_id = None
         self._scratch = None
-        self.counts = torch.zeros(4, dtype=torch.int64)
+        self.counts = torch.zeros(len(COUNTERS), dtype=torch.int64)
 
     @staticmethod
     def ineligible(rt) -> str | None:
@@ -402,12 +404,9 @@ class NativeDecoder:
                     w.keep_a, w.keep_f = ka, kf
         if rc != 0:
             raise ValueError(f"native decode step refused token {token} at slot {slot}")
-        macs, attn, router, nbytes = c.tolist()
         ctr = self.rt.counter
-        ctr.weight_bytes += nbytes
-        ctr.macs += macs
-        ctr.attn_macs += attn
-        ctr.router_macs += router
+        for name, v in zip(COUNTERS, c.tolist(), strict=True):
+            setattr(ctr, name, getattr(ctr, name) + v)
         return logits
 
 
