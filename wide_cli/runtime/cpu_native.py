@@ -134,6 +134,8 @@ def _check_layout(lib: ctypes.CDLL) -> None:
     for st in (_WLayer, _WModel):
         want += [getattr(st, name).offset for name, _ in st._fields_]
     buf = (_I64 * (len(want) + 8))()
+    if not hasattr(lib, "wide_decode_layout"):
+        raise RuntimeError("native library without wide_decode_layout (built from another source)")
     lib.wide_decode_layout.restype = _I64
     lib.wide_decode_layout.argtypes = [_P, _I64]
     n = lib.wide_decode_layout(buf, len(buf))
