@@ -79,8 +79,10 @@ def serve_plan(export, *, mode: str = "routed") -> ServePlan:
 
     Raises:
         CheckpointError: not a directory, or no ``wide_config.json`` / ``config.json``.
-        ModelSourceError: an architecture the plugin does not serve, or a physically narrowed
-            static-width hf export (per-layer widths; serve its ``--format wide`` export).
+        ModelSourceError: an architecture the plugin does not serve.
+        UnsupportedFeature: an export feature the plugin does not run (``wide_cli.features``, row
+            ``vllm``: e.g. int8 weights, a physically narrowed static-width hf export), naming
+            the feature and the file.
         ConfigError: an unknown ``mode``.
     """
     if mode not in SERVE_MODES:
@@ -101,11 +103,9 @@ def serve_plan(export, *, mode: str = "routed") -> ServePlan:
             f"{path}: architecture {name!r} is not served by the wide vLLM plugin",
             f"supported: {', '.join(a.removeprefix('Wide') for a in SERVED_ARCHITECTURES.values())}",
         )
-    if export_format == "hf" and "wide_layer_heads" in cfg:
-        raise ModelSourceError(
-            f"{path} is a static-width --format hf export with per-layer widths, which the vLLM plugin does not serve",
-            "serve the run's `wide export --format wide` export instead",
-        )
+    from wide_cli.features import check_export
+
+    check_export(path, "vllm")  # what the plugin cannot run is refused here, not inside the engine
     method = str(wcfg.get("method") or wcfg.get("routing", {}).get("method", "wide"))
     overrides: dict = {}
     if export_format == "hf":
