@@ -48,12 +48,13 @@ def _reference(export, routing: bool) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def offline(export_factory, tmp_path_factory):
-    """``(kind, method) -> (export, result)``: one vLLM engine per model, both modes."""
+    """``(kind, method, **features) -> (export, result)``: one vLLM engine per model, both modes."""
     done = {}
 
-    def run(kind: str, method: str = "wide"):
-        if (kind, method) not in done:
-            export = export_factory(kind, method=method)
+    def run(kind: str, method: str = "wide", **features):
+        key = (kind, method, tuple(sorted(features.items())))
+        if key not in done:
+            export = export_factory(kind, method=method, **features)
             d = tmp_path_factory.mktemp(f"offline-{kind}")
             req = {"export": str(export), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "dtype": "float32",
                    "max_model_len": 128, "modes": ["routed", "all-on"], "kv_cache_gib": 1}  # fmt: skip
@@ -61,20 +62,23 @@ def offline(export_factory, tmp_path_factory):
             r = subprocess.run([_serve_python(), "-m", "wide_cli.serve.offline", str(d / "req.json"), str(d / "out.json")],
                                capture_output=True, text=True, timeout=STARTUP_S, check=False)  # fmt: skip
             assert r.returncode == 0, r.stderr[-4000:]
-            done[(kind, method)] = (export, json.loads((d / "out.json").read_text()))
-        return done[(kind, method)]
+            done[key] = (export, json.loads((d / "out.json").read_text()))
+        return done[key]
 
     return run
 
 
 @pytest.mark.parametrize(
-    ("kind", "method"),
-    [("llama", "wide"), ("mistral", "wide"), ("qwen2", "wide"), ("qwen3", "wide"), ("llama", "static-width")],
+    ("kind", "method", "features"),
+    [("llama", "wide", {}), ("mistral", "wide", {"sliding_window": 16}), ("qwen2", "wide", {}),
+     ("qwen3", "wide", {}), ("llama", "static-width", {}), ("llama", "wide", {"standin": "trained", "drop_layers": 1})],
+    ids=["llama", "mistral-window", "qwen2", "qwen3", "static-width", "standin-hybrid"],
 )
-def test_offline_greedy_tokens_equal_the_reference(offline, kind, method):
+def test_offline_greedy_tokens_equal_the_reference(offline, kind, method, features):
     """Routed tokens equal the runtime's reference backend; with every group forced on they
-    equal the runtime's dense mode (the backbone as a dense model)."""
-    export, res = offline(kind, method)
+    equal the runtime's dense mode (the backbone as a dense model). Mistral with a sliding window
+    shorter than the prompts; a hybrid export (a layer removed, then routed) with stand-ins."""
+    export, res = offline(kind, method, **features)
     assert res["path"] == "forward_cpu"
     routed, all_on = res["runs"]["routed"], res["runs"]["all-on"]
     assert routed["tokens"] == _reference(export, routing=True)

@@ -165,6 +165,8 @@ _EXCEPTION_LINE = re.compile(r"(?:^|[\s)\]])((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error
 #: lines that only point elsewhere ("see root cause above"): never the cause to report.
 _POINTERS = ("see root cause above", "see above", "see the log", "failed core proc")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: a line vLLM logs at ERROR level: ``ERROR 01-01 00:00:00 [file.py:12] message`` -> the message.
+_LOGGED_ERROR = re.compile(r"(?:^|\s)ERROR\s+(?:[\d-]+\s+[\d:.]+\s+)?(?:\[[^\]]*\]\s+)?(\S.*)$")
 
 
 def last_error_line(lines) -> str | None:
@@ -177,8 +179,8 @@ def last_error_line(lines) -> str | None:
         m = _EXCEPTION_LINE.search(line)
         if m and not any(p in line.lower() for p in _POINTERS):
             found = f"{m.group(1)}: {m.group(2)}"
-        elif " ERROR " in line and not any(p in line.lower() for p in _POINTERS):
-            logged = line.split(" ERROR ", 1)[1].strip()
+        elif (e := _LOGGED_ERROR.search(line)) and not any(p in line.lower() for p in _POINTERS):
+            logged = e.group(1)
     return found or logged
 
 
