@@ -77,7 +77,7 @@ $(LLAMA_STAMP): $(STAMP)
 	  $(PIP) install -q -e '.[llama]'
 	touch $(LLAMA_STAMP)
 
-# The issue-12 acceptance run: llama.cpp F16/Q8_0, HF and the runtime (dense, routed; native decode
+# CPU speed against llama.cpp: llama.cpp F16/Q8_0, HF and the runtime (dense, routed; native decode
 # step and PyTorch path) in fp32, bf16 and int8, 1 and 2 threads, plus WikiText-2 perplexity per
 # format. benchmarks/bench_cpu.sh runs it on given exports (the committed docs/results/bench-cpu*).
 bench: setup native llama-setup

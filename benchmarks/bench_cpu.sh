@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 12's acceptance bench (docs/results/bench-cpu.{json,md}): `wide bench` on the demo export
+# CPU speed against llama.cpp (docs/results/bench-cpu.{json,md}): `wide bench` on the demo export
 # (every system, both thread counts, perplexity per format and path) and on a cost-0.5 export
-# (the runtime only: the routed/dense ratio the issue's 1.45x target is stated for).
+# (the runtime only: the routed/dense ratio at half the dense FLOPs).
 # Usage: benchmarks/bench_cpu.sh DEMO_EXPORT COST05_EXPORT [OUT_DIR]   (needs `make llama-setup`)
 # Run it on a quiet machine: the 2-thread rows measure whatever else holds a core.
 set -euo pipefail

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue #7 acceptance: an `--format hf` export of the demo run loads in a fresh venv holding only
-# torch and transformers (no wide), and its greedy generation equals
-# `wide generate --backend reference` for 32 tokens. Needs `make demo` first (runs/demo).
+# The hf export outside wide (docs/results/hf-export-parity.md): an `--format hf` export of the
+# demo run loads in a fresh venv holding only torch and transformers (no wide), and its greedy
+# generation equals `wide generate --backend reference` for 32 tokens. Needs `make demo` first
+# (runs/demo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROMPT=${PROMPT:-"The Python interpreter"}

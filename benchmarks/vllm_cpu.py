@@ -164,8 +164,7 @@ def render_md(r: dict) -> str:
         f"Command: `{r['command']}`",
         "",
         (
-            f"Export `{r['export']}` (the `make demo` recipe: SmolLM2-135M-Instruct, 120 router steps, 50 % "
-            f"target) served by the plugin; dense baseline `{r['dense_model']}` on vLLM's own "
+            f"Export `{r['export']}` served by the plugin; dense baseline `{r['dense_model']}` on vLLM's own "
             f"`LlamaForCausalLM`. {r['vllm']}. Machine: {r['machine']}; numbers are noisy (other jobs on "
             "the machine): the systems were measured round-robin in one run, median of the rounds."
         ),

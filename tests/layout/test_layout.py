@@ -8,6 +8,8 @@ from here, and a new cycle or a new oversized module fails until it is fixed.
 
 from __future__ import annotations
 
+import re
+
 from tests.layout._import_graph import PACKAGE_ROOT, cycles, import_graph, module_files
 
 MAX_LINES = 600
@@ -80,6 +82,20 @@ def test_readme_layout_matches_the_tree():
     packages = {f"wide_cli/{p.name}/" for p in PACKAGE_ROOT.iterdir() if (p / "__init__.py").is_file()}
     unlisted = sorted(packages - set(listed))
     assert not unlisted, f"README layout does not list {unlisted}"
+
+
+def test_relative_links_in_the_readme_and_docs_resolve():
+    """Every relative Markdown link ``[text](path)`` in README.md and docs/ names a file or folder
+    that exists (results pages move; their links must move with them)."""
+    root = PACKAGE_ROOT.parent
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(root)} -> {target}")
+    assert len(pages) > 5
+    assert not broken, f"broken relative links: {broken}"
 
 
 def test_layers_point_one_way():

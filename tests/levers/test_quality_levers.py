@@ -1,4 +1,4 @@
-"""Issue 11's quality levers: cost targets, distillation, stand-ins for skipped groups, the
+"""The quality levers: cost targets, distillation, stand-ins for skipped groups, the
 target warm-up and the skip offset that lands a run on its cost target."""
 
 from __future__ import annotations
@@ -176,11 +176,12 @@ def test_cost_target_drives_the_weighted_fraction(tmp_path):
 
 def test_skip_offset_lands_on_the_cost_target():
     from wide_cli.pipeline.routers import calibrate_skip_offset
+    from wide_cli.routing.config import SkipTarget
 
     model = _routed(cost_target=0.7)
     st = model.wide_routing
     cm = st.cfg.cost_model(st.shape, 16)
-    delta = calibrate_skip_offset(model, DATA[:8], cm, 0.3, batch_size=4, tol=0.01, iters=20)
+    delta = calibrate_skip_offset(model, DATA[:8], SkipTarget(cm, 0.3), batch_size=4, tol=0.01, iters=20)
     counter = st.start_counting()
     with torch.no_grad():
         model(input_ids=DATA[:8])

@@ -82,7 +82,7 @@ def test_measured_sparsity_counts_skips_over_valid_tokens_only():
     trace, state.trace = state.trace, None
     valid = mask.bool()
     per = {"attention": [], "ffn": []}
-    for layer, module, ex in trace:
+    for _layer, module, ex in trace:
         skipped = ((~ex) & valid.unsqueeze(-1)).sum().item()
         per[module].append(skipped / (valid.sum().item() * ex.shape[-1]))
     s = counter.summary()

@@ -1,4 +1,4 @@
-"""Memory plan (issue #4): the activation estimate against the bytes autograd really saves,
+"""Memory plan: the activation estimate against the bytes autograd really saves,
 refusal with a suggestion, and ``--grad-checkpointing`` computing exactly the same training."""
 
 from __future__ import annotations

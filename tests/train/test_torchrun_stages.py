@@ -17,12 +17,14 @@ from tests.cli._invoke import ok as _ok
 from wide_cli.cli.app import main
 
 H4 = ["--attn-group-size", "2", "--ffn-group-size", "32", "--seq-len", "64", "--batch-size", "2"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def _torchrun(*args):
+    # the environment as of the call: the session fixture has set WIDE_CACHE by then, so the ranks
+    # build tiny-llama in the test's cache, not the user's
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "wide_cli", *args], check=False, capture_output=True, text=True, env=ENV, timeout=600)
+                           "-m", "wide_cli", *args], check=False, capture_output=True, text=True, env=env, timeout=600)
 
 
 @pytest.fixture(scope="module")

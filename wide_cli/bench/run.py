@@ -176,7 +176,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                         path=getattr(system, "path", None),
                         weight_bytes_per_step=wb / (dcost.speedup_bound(sp_short) if sp_short else 1.0),
                     ))  # fmt: skip
-            for key, sys_ in tsys.items():
+            for sys_ in tsys.values():
                 if isinstance(sys_, LlamaCppSystem):
                     sys_.close()
     finally:

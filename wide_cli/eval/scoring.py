@@ -93,15 +93,6 @@ def resolve_max_length(model, tokenizer=None) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# measured sparsity of routed models
-
-
-def routing_of(model):
-    """The model's ``RoutingState`` or None for a dense model."""
-    return getattr(model, "wide_routing", None)
-
-
-# ----------------------------------------------------------------------------------------------
 # forward helpers
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from wide_cli.pipeline.common import load_backbone
 from wide_cli.pipeline.rundir import RunDir
 from wide_cli.pipeline.settings import Settings, Stage2Config
 
+if TYPE_CHECKING:
+    from wide_cli.routing.config import SkipTarget
+
 
 def static_keep_from_statistics(stats, settings: Settings, layout) -> dict:
     """Static-width keep masks from the calibration statistics: per routed module the least
@@ -42,19 +46,18 @@ def static_keep_from_statistics(stats, settings: Settings, layout) -> dict:
     return keep
 
 
-def init_routers_from_statistics(model, stats, *, strength: float = 1.0) -> None:
+def init_routers_from_statistics(model, stats, target: SkipTarget | None = None, *, strength: float = 1.0) -> None:
     """Router initialisation from calibration statistics (``calibrate.selection.router_init_bias``):
-    every router's bias starts at the importance-based value for the module's target skip rate
-    (with a cost target: the uniform skip rate that meets it). Weights keep their kaiming init."""
+    every router's bias starts at the importance-based value for the module's target skip rate,
+    or with a cost target (``target``, ``RoutingConfig.skip_target``) the uniform skip rate that
+    meets it. Weights keep their kaiming init."""
     from wide_cli.calibrate.selection import router_init_bias
     from wide_cli.routing.model import decoder_layers
 
     state = model.wide_routing
     for module in state.active_modules:
         gs = state.layout.attn_group_size if module == "attention" else state.layout.ffn_group_size
-        t = state.cfg.target_for(module)
-        if state.cfg.cost_target is not None:  # the uniform skip rate that meets the cost target
-            t = (1.0 - state.cfg.routed_cost_target(state.shape)) / (1.0 - state.cfg.cost_model(state.shape).floor_fraction)
+        t = target.uniform_skip if target is not None else state.cfg.target_for(module)
         bias = router_init_bias(stats.group_importance(module, gs), t, strength=strength)  # [L, 2G]
         for i, layer in enumerate(decoder_layers(model)):
             r = getattr(layer, f"router_{module}", None)
@@ -121,10 +124,10 @@ def init_standins_from_statistics(model, stats) -> None:
 
 
 @torch.no_grad()
-def calibrate_skip_offset(model, sequences: torch.Tensor, cost, target_skip: float, *, batch_size: int = 4,
+def calibrate_skip_offset(model, sequences: torch.Tensor, target: SkipTarget, *, batch_size: int = 4,
                           iters: int = 12, tol: float = 0.004) -> float:
     """Shift every learned router's skip logits by one offset so that the deterministic (argmax)
-    decisions skip ``target_skip`` of the dense cost on ``sequences`` (training tokens).
+    decisions skip ``target.skip`` of the dense cost on ``sequences`` (training tokens).
 
     Training samples hard Gumbel decisions, inference takes the argmax, so the trained routers
     miss the requested cost at inference; one shared offset, found by bisection and folded into
@@ -132,7 +135,8 @@ def calibrate_skip_offset(model, sequences: torch.Tensor, cost, target_skip: flo
 
     Args:
         model: routed model (a PEFT wrapper is fine). sequences: ``[N, T]`` int64 training tokens.
-        cost: ``wide_cli.cost.CostModel``. target_skip: wanted cost-weighted skip fraction.
+        target: the cost target as a weighted skip fraction and its cost model
+            (``RoutingConfig.skip_target`` at the training sequence length).
     Returns:
         the offset added to the skip logits (0.0 when already within ``tol``).
     """
@@ -153,22 +157,22 @@ def calibrate_skip_offset(model, sequences: torch.Tensor, cost, target_skip: flo
             r.router.bias[1::2] += delta  # logits are [.., G, 2]: odd entries are the skip logits
 
     def measured() -> float:
-        return cost.skip_from_summary(measure_sparsity(model, batches_of(sequences, batch_size)))
+        return target.cost.skip_from_summary(measure_sparsity(model, batches_of(sequences, batch_size)))
 
     applied = 0.0
     try:
         s0 = measured()
-        if abs(s0 - target_skip) <= tol:
+        if abs(s0 - target.skip) <= tol:
             return 0.0
-        lo, hi = (0.0, 8.0) if s0 < target_skip else (-8.0, 0.0)
+        lo, hi = (0.0, 8.0) if s0 < target.skip else (-8.0, 0.0)
         for _ in range(iters):
             mid = (lo + hi) / 2
             shift(mid - applied)
             applied = mid
             s = measured()
-            if abs(s - target_skip) <= tol:
+            if abs(s - target.skip) <= tol:
                 break
-            if s < target_skip:
+            if s < target.skip:
                 lo = mid
             else:
                 hi = mid

@@ -124,8 +124,12 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
     if rcfg.method in ("dense", "static-width"):
         res = TrainResult(0, 0, 0.0)
     else:
+        # the cost target as a skip fraction of the routed model at the training length: where the
+        # routers start, what the loss drives (train_stage converts it the same way) and where the
+        # offset lands
+        target = rcfg.skip_target(model.wide_routing.shape, settings.train.seq_len)
         if settings.run.router_init == "calibration":
-            init_routers_from_statistics(model, stats)
+            init_routers_from_statistics(model, stats, target)
         if rcfg.standin != "none":
             init_standins_from_statistics(model, stats)
         for n, p in model.named_parameters():
@@ -156,11 +160,9 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
         )
         if not info.is_main:
             return res
-        if rcfg.cost_target is not None:
-            res.final["skip_offset"] = calibrate_skip_offset(
-                train_model, packed.train[-8:], rcfg.cost_model(model.wide_routing.shape, settings.train.seq_len),
-                1.0 - rcfg.routed_cost_target(model.wide_routing.shape, settings.train.seq_len),
-                batch_size=settings.eval.batch_size)
+        if target is not None:
+            res.final["skip_offset"] = calibrate_skip_offset(train_model, packed.train[-8:], target,
+                                                             batch_size=settings.eval.batch_size)
     save_routers(model, run)
     if joint:
         from wide_cli.pipeline.stage2 import save_joint_stage2

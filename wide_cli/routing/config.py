@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from wide_cli.errors import ConfigError
 from wide_cli.models.arch import ModelShape
+
+if TYPE_CHECKING:
+    from wide_cli.cost import CostModel
 
 METHODS = ("wide", "dynamic-depth", "static-width", "static-depth", "dense")
 #: What ``cost_target`` is a fraction of: dense per-token FLOPs or decode weight bytes read
@@ -175,6 +179,20 @@ class RoutingConfig:
             return None
         return float(self.cost_target) / self.depth_fraction(shape, seq_len)
 
+    def skip_target(self, shape: ModelShape, seq_len: int) -> SkipTarget | None:
+        """What ``cost_target`` asks of the routers of ``shape`` (the model they sit in,
+        ``drop_layers`` already removed) trained on sequences of ``seq_len`` tokens: the one
+        conversion the router initialisation, the cost loss and the skip-logit offset all read.
+        None without a cost target.
+
+        Args:
+            shape: the routed model's shape. seq_len: training sequence length in tokens (the
+                attention core's FLOPs count a mean context of ``(seq_len + 1) / 2``).
+        """
+        if self.cost_target is None:
+            return None
+        return SkipTarget(self.cost_model(shape, seq_len), 1.0 - self.routed_cost_target(shape, seq_len))
+
     def target_for(self, module: str) -> float:
         """Sparsity target of ``module`` ('attention' or 'ffn')."""
         if self.per_module_targets:
@@ -183,6 +201,29 @@ class RoutingConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class SkipTarget:
+    """A cost target converted for one routed model and training sequence length
+    (``RoutingConfig.skip_target``).
+
+    Attributes:
+        cost: the ``wide_cli.cost.CostModel`` of the routed model in ``cost_metric``, its
+            attention core at the training sequence length.
+        skip: the cost-weighted skip fraction to reach, a fraction of the routed model's dense
+            cost: ``1 - cost_target / depth_fraction``. The cost loss drives the measured weighted
+            skip to it and the skip-logit offset lands the argmax decisions on it.
+    """
+
+    cost: CostModel
+    skip: float
+
+    @property
+    def uniform_skip(self) -> float:
+        """The skip rate that, taken by every routed group alike, removes ``skip`` of the dense
+        cost (where router initialisation starts): ``skip / (1 - floor_fraction)``."""
+        return self.skip / (1.0 - self.cost.floor_fraction)
 
 
 def kept_shape(shape: ModelShape, drop_layers: int) -> ModelShape:

@@ -106,3 +106,15 @@ def sparsity_loss(
         return torch.stack([(targets[m] - s_hat[m]).abs() for m in names]).mean()
     mean = torch.stack([s_hat[m] for m in names]).mean()
     return (targets[names[0]] - mean).abs()
+
+
+def cost_loss(s_weighted: torch.Tensor, target_skip: float) -> torch.Tensor:
+    """The sparsity term with a cost target (multiply by lambda outside): ``|target - s_w|``.
+
+    Args:
+        s_weighted: the cost-weighted skip fraction of the step's decisions, a 0-dim tensor
+            (``CostModel.weighted_skip`` of the per-(layer, module) skip fractions; gradients kept).
+        target_skip: the weighted skip fraction to reach (``SkipTarget.skip``, times the warm-up
+            ramp).
+    """
+    return (target_skip - s_weighted).abs()

@@ -29,7 +29,6 @@ class SparsityCounter:
     num_layers: int
     skipped: dict[str, list[float]] = field(default_factory=dict)
     decisions: dict[str, list[float]] = field(default_factory=dict)
-    tokens: int = 0
 
     def __post_init__(self):
         for m in MODULES:

@@ -3,15 +3,16 @@
 Loss (DESIGN.md §1): ``LM cross-entropy + lambda * |s_target - s_hat|`` with hard Gumbel-softmax
 decisions (STE) and a temperature annealed linearly over optimizer steps. With a cost target
 (``RoutingConfig.cost_target``), ``s_hat`` is the cost-weighted skip fraction (``wide_cli.cost``)
-and ``s_target = 1 - cost_target``; with ``TrainConfig.distill`` the LM term mixes in
+and ``s_target`` the one ``RoutingConfig.skip_target`` converts the cost target to at the training
+sequence length (``routing.gumbel.cost_loss``); with ``TrainConfig.distill`` the LM term mixes in
 ``T^2 * KL(dense || routed)``; ``RoutingConfig.sparsity_warmup`` ramps the target up from 0. Checkpoints are
 atomic directories; ``resume=True`` continues bit-for-bit where the last checkpoint stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import signal
 import threading
 import time
@@ -22,7 +23,7 @@ import torch
 
 from wide_cli.atomic import atomic_directory, atomic_write_json
 from wide_cli.errors import CheckpointError, TrainingDivergedError
-from wide_cli.routing.gumbel import sparsity_loss, temperature_at
+from wide_cli.routing.gumbel import cost_loss, sparsity_loss, temperature_at
 from wide_cli.train.config import TrainConfig
 from wide_cli.train.data_order import batch_indices
 from wide_cli.train.memory import check_plan, parse_bytes, plan_training
@@ -187,6 +188,7 @@ def train_stage(
         identity: what must match for ``resume`` (model, routing and training settings).
         resume: continue from ``stage_dir/checkpoint`` when present.
         progress: show a Rich progress bar on stderr (rank 0 only).
+        log_every: keep every ``log_every``-th step's metrics in the history (and the last).
         rank, world, ddp_model: data-parallel position and the wrapped model to call forward on.
         on_step: optional callback ``(step, metrics)`` after each optimizer step (tests, signals).
         tau: ``(start, end)`` Gumbel temperatures, annealed linearly over this stage's steps;
@@ -201,177 +203,247 @@ def train_stage(
     Raises:
         TrainingDivergedError: non-finite loss (names the step; the last good checkpoint stays).
         CheckpointError: resume from a checkpoint of another model or settings.
+        MemoryPlanError: the memory plan does not fit (``train.memory.check_plan``).
     """
-    state = model.wide_routing
-    rcfg = state.cfg
-    modules = state.active_modules
-    targets = {m: rcfg.target_for(m) for m in modules}
-    taus = tau if tau is not None else (rcfg.tau_start, rcfg.tau_end)
-    stage_dir = Path(stage_dir)
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    device = next(model.parameters()).device
-    fwd = ddp_model if ddp_model is not None else model
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise RuntimeError("no trainable parameters")
-    plan = _memory_plan(model, cfg, device, world, ddp_model)
-    if rank == 0 and progress:
-        _log(plan.render())
-    check_plan(plan, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
-    optimizer = torch.optim.AdamW(param_groups or params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    cost = rcfg.cost_model(state.shape, cfg.seq_len) if rcfg.cost_target is not None and modules else None
-    # the target as a fraction of this (possibly layer-pruned, RoutingConfig.drop_layers) model's cost
-    routed_target = rcfg.routed_cost_target(state.shape, cfg.seq_len) if cost is not None else None
-    warm_steps = round(rcfg.sparsity_warmup * cfg.steps)
-    scheduler = _lr_scheduler(optimizer, cfg)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed + 17)  # same on every rank
-    torch.manual_seed(cfg.seed + rank)
-    start, elapsed, history, resumed_from = 0, 0.0, [], None
-    if resume and (stage_dir / CHECKPOINT / "state.json").is_file():
-        meta, rng = load_checkpoint(stage_dir, model, optimizer, scheduler, identity, world=world)
-        start, elapsed, history = meta["step"], meta["seconds"], meta.get("history", [])
-        resumed_from = start
-        gen.set_state(rng["gumbel"][rank] if isinstance(rng["gumbel"], list) else rng["gumbel"])
-        torch.set_rng_state(rng["torch"])
-    state.generator = gen
-    state.world, state.rank = world, rank
-    state.grad_checkpointing = cfg.grad_checkpointing
-    model.train()
-    state.set_mode("gumbel")
-    # Mixed precision: bf16/fp16 autocast on CUDA; bf16 autocast on CPU (fast where the CPU has
-    # bf16 matrix units, e.g. AMX). Trainable parameters and optimizer state stay fp32 (low-precision optimizer state loses small updates).
-    if device.type == "cuda" and cfg.dtype in ("bf16", "fp16"):
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float16)
-    else:
-        autocast = None
-        if device.type == "cpu" and cfg.dtype == "bf16":
-            # CPU autocast would re-cast every frozen weight on every forward (a quarter of the step
-            # time); the frozen backbone is cast to bf16 once instead. Trainable tensors stay fp32.
-            for p in model.parameters():
-                if not p.requires_grad and p.is_floating_point() and p.dtype != torch.bfloat16:
-                    p.data = p.data.to(torch.bfloat16)
-    scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and cfg.dtype == "fp16" else None
-
-    def rng_snapshot():
-        return {"gumbel": gen.get_state(), "torch": torch.get_rng_state()}
-
-    def meta_for(step):
-        return {
-            "step": step,
-            "tokens": step * cfg.tokens_per_step * world,
-            "world": world,
-            "seconds": elapsed,
-            "history": history,
-            "identity": identity,
-        }
-
-    bar = _Bar(cfg.steps, start, enabled=progress and rank == 0)
-    completed, snapshot = start, rng_snapshot()  # RNG as of the end of the last completed step
-    last_saved = start
+    run = _StageRun(model, data, cfg, stage_dir=Path(stage_dir), identity=identity, rank=rank, world=world,
+                    ddp_model=ddp_model, tau=tau, param_groups=param_groups, progress=progress)
+    if resume:
+        run.resume()
+    run.enter_training()
+    bar = _Bar(cfg.steps, run.start, enabled=progress and rank == 0)
     try:
-        for step in range(start, cfg.steps):
-            t0 = time.perf_counter()
-            state.tau = temperature_at(step, cfg.steps, *taus)
-            ramp = min(1.0, (step + 1) / warm_steps) if warm_steps > 0 else 1.0
-            sums = {"loss": 0.0, "lm_loss": 0.0, **{f"s_{m}": 0.0 for m in modules}}
-            if cost is not None:
-                sums["cost"] = 0.0
-            if cfg.distill > 0:
-                sums["kl"] = 0.0
-            for micro in range(cfg.grad_accum):
-                idx = batch_indices(len(data), cfg.batch_size, step * cfg.grad_accum + micro, cfg.seed,
-                                    rank=rank, world=world)
-                ids = data[idx].to(device)
-                ctx = autocast if autocast is not None else _nullctx()
-                state.records.clear()  # wrappers (PEFT, DDP) may bypass the model's pre-hook
-                state.valid = None  # packed sequences: every token is valid
-                with ctx:
-                    teacher = _teacher_logits(model, fwd, ids) if cfg.distill > 0 else None
-                    state.records.clear()
-                    out = fwd(input_ids=ids, labels=ids, use_cache=False)  # no KV cache in training
-                    s_hat = state.measured_s_hat()
-                    if cost is not None and state.records:
-                        s_w = cost.weighted_skip({(i, m): f for i, m, f in state.records})
-                        sp = (ramp * (1.0 - routed_target) - s_w).abs()
-                        sums["cost"] += (1.0 - s_w.item()) / cfg.grad_accum
-                    elif s_hat:
-                        sp = sparsity_loss(s_hat, {m: t * ramp for m, t in targets.items()}, rcfg.per_module_targets)
-                    else:
-                        sp = out.loss * 0
-                    lm = out.loss.float()
-                    if teacher is not None:
-                        kl = distillation_loss(out.logits, teacher, cfg.distill_temperature)
-                        sums["kl"] += kl.item() / cfg.grad_accum
-                        lm = (1.0 - cfg.distill) * lm + cfg.distill * kl
-                    loss = lm + rcfg.sparsity_weight * sp
-                if not torch.isfinite(loss):
-                    raise TrainingDivergedError(
-                        f"non-finite loss ({loss.item()}) at step {step + 1}; "
-                        f"last good checkpoint is step {last_saved} in {stage_dir / CHECKPOINT}",
-                        "lower --lr or use --dtype fp32, then --resume",
-                    )
-                scaled = loss / cfg.grad_accum
-                (scaler.scale(scaled) if scaler else scaled).backward()
-                sums["loss"] += loss.item() / cfg.grad_accum
-                sums["lm_loss"] += out.loss.item() / cfg.grad_accum
-                for m in modules:
-                    sums[f"s_{m}"] += s_hat[m].item() / cfg.grad_accum
-            # An interrupt must not land between the parameter update and the step's bookkeeping:
-            # the checkpoint would hold updated weights under the previous step number.
-            with _defer_sigint():
-                if scaler:
-                    scaler.unscale_(optimizer)
-                if cfg.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                if scaler:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                dt = time.perf_counter() - t0
-                elapsed += dt
-                completed, snapshot = step + 1, rng_snapshot()
-                active = [sums[f"s_{m}"] for m in modules]
-                if warm_steps > 0:
-                    sums["target_ramp"] = ramp
-                metrics = {
-                    "step": step + 1,
-                    **{k: round(v, 5) for k, v in sums.items()},
-                    "sparsity": round(sum(active) / len(active), 5) if active else 0.0,
-                    "tau": round(state.tau, 4),
-                    "lr": optimizer.param_groups[0]["lr"],
-                    "tokens_per_s": round(cfg.tokens_per_step * world / dt, 1),
-                }
-                if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
-                    history.append(metrics)
+        for step in range(run.start, cfg.steps):
+            metrics = run.step(step, log_every)
             bar.update(metrics)
             if on_step is not None:
                 on_step(step + 1, metrics)
-            if rank == 0 and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-                save_checkpoint(stage_dir, model, optimizer, scheduler, meta_for(step + 1), snapshot)
-                last_saved = step + 1
+            run.checkpoint_every(step + 1)
     except KeyboardInterrupt:
         # Stop after a clean checkpoint of the last completed step, then let the CLI exit 130.
-        optimizer.zero_grad(set_to_none=True)
-        if rank == 0 and completed > last_saved:
-            save_checkpoint(stage_dir, model, optimizer, scheduler, meta_for(completed), snapshot)
+        run.save_interrupted()
         bar.close()
         raise
     finally:
-        state.set_mode("argmax")
-        state.world, state.rank = 1, 0
-        state.grad_checkpointing = False
-        model.eval()
+        run.leave_training()
     bar.close()
-    result = TrainResult(cfg.steps, cfg.steps * cfg.tokens_per_step * world, elapsed, history[-1] if history else {},
-                         history, resumed_from, plan.to_dict())
-    if rank == 0:
-        save_checkpoint(stage_dir, model, optimizer, scheduler, meta_for(cfg.steps), rng_snapshot())
-        atomic_write_json(stage_dir / RESULT, {**result.to_dict(), "history": history, "identity": identity})
-    return result
+    return run.finish()
+
+
+class _StageRun:
+    """The state of one ``train_stage`` call (model, optimizer, RNG, bookkeeping) and its steps:
+    build (memory plan, optimizer, seeds), ``resume``, ``enter_training``, ``step`` (micro-batches
+    then one optimizer update), ``checkpoint_every``, ``save_interrupted``, ``leave_training``,
+    ``finish``. The order of the RNG draws is part of the contract: ``--resume`` continues
+    bit-for-bit."""
+
+    def __init__(self, model, data: torch.Tensor, cfg: TrainConfig, *, stage_dir: Path, identity: dict,
+                 rank: int, world: int, ddp_model, tau: tuple[float, float] | None,
+                 param_groups: list[dict] | None, progress: bool):
+        self.model, self.data, self.cfg = model, data, cfg
+        self.stage_dir, self.identity, self.rank, self.world = stage_dir, identity, rank, world
+        self.state = state = model.wide_routing
+        self.rcfg = rcfg = state.cfg
+        self.modules = state.active_modules
+        self.targets = {m: rcfg.target_for(m) for m in self.modules}
+        self.taus = tau if tau is not None else (rcfg.tau_start, rcfg.tau_end)
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        self.device = next(model.parameters()).device
+        self.fwd = ddp_model if ddp_model is not None else model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise RuntimeError("no trainable parameters")
+        self.plan = _memory_plan(model, cfg, self.device, world, ddp_model)
+        if rank == 0 and progress:
+            _log(self.plan.render())
+        check_plan(self.plan, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
+        self.optimizer = torch.optim.AdamW(param_groups or self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # a cost target as the weighted skip fraction of this (possibly layer-pruned) model
+        self.skip_target = rcfg.skip_target(state.shape, cfg.seq_len) if self.modules else None
+        self.warm_steps = round(rcfg.sparsity_warmup * cfg.steps)
+        self.scheduler = _lr_scheduler(self.optimizer, cfg)
+        self.gen = torch.Generator(device=self.device).manual_seed(cfg.seed + 17)  # same on every rank
+        torch.manual_seed(cfg.seed + rank)
+        self.start, self.elapsed, self.history, self.resumed_from = 0, 0.0, [], None
+        self.autocast = self.scaler = None
+
+    # ----------------------------------------------------------------------------- before
+    def resume(self) -> None:
+        """Continue from ``stage_dir/checkpoint`` when one exists (weights, optimizer, RNG)."""
+        if not (self.stage_dir / CHECKPOINT / "state.json").is_file():
+            return
+        meta, rng = load_checkpoint(self.stage_dir, self.model, self.optimizer, self.scheduler, self.identity,
+                                    world=self.world)
+        self.start, self.elapsed, self.history = meta["step"], meta["seconds"], meta.get("history", [])
+        self.resumed_from = self.start
+        self.gen.set_state(rng["gumbel"][self.rank] if isinstance(rng["gumbel"], list) else rng["gumbel"])
+        torch.set_rng_state(rng["torch"])
+
+    def enter_training(self) -> None:
+        """Routing in Gumbel mode with this run's noise, the model in train mode, mixed precision."""
+        state, cfg, device = self.state, self.cfg, self.device
+        state.generator = self.gen
+        state.world, state.rank = self.world, self.rank
+        state.grad_checkpointing = cfg.grad_checkpointing
+        self.model.train()
+        state.set_mode("gumbel")
+        # Mixed precision: bf16/fp16 autocast on CUDA; bf16 autocast on CPU (fast where the CPU has
+        # bf16 matrix units, e.g. AMX). Trainable parameters and optimizer state stay fp32
+        # (low-precision optimizer state loses small updates).
+        if device.type == "cuda" and cfg.dtype in ("bf16", "fp16"):
+            self.autocast = torch.autocast("cuda", dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float16)
+        elif device.type == "cpu" and cfg.dtype == "bf16":
+            # CPU autocast would re-cast every frozen weight on every forward (a quarter of the step
+            # time); the frozen backbone is cast to bf16 once instead. Trainable tensors stay fp32.
+            for p in self.model.parameters():
+                if not p.requires_grad and p.is_floating_point() and p.dtype != torch.bfloat16:
+                    p.data = p.data.to(torch.bfloat16)
+        self.scaler = torch.amp.GradScaler("cuda") if device.type == "cuda" and cfg.dtype == "fp16" else None
+        self.completed, self.snapshot = self.start, self.rng_snapshot()  # RNG as of the last completed step
+        self.last_saved = self.start
+
+    # ----------------------------------------------------------------------------- one step
+    def step(self, step: int, log_every: int) -> dict:
+        """One optimizer step (``cfg.grad_accum`` micro-batches, then the update); returns its
+        metrics and keeps them in the history every ``log_every`` steps."""
+        t0 = time.perf_counter()
+        self.state.tau = temperature_at(step, self.cfg.steps, *self.taus)
+        ramp = min(1.0, (step + 1) / self.warm_steps) if self.warm_steps > 0 else 1.0
+        sums = {"loss": 0.0, "lm_loss": 0.0, **{f"s_{m}": 0.0 for m in self.modules}}
+        if self.skip_target is not None:
+            sums["cost"] = 0.0
+        if self.cfg.distill > 0:
+            sums["kl"] = 0.0
+        for micro in range(self.cfg.grad_accum):
+            self._micro_step(step, micro, ramp, sums)
+        return self._update(step, t0, ramp, sums, log_every)
+
+    def _micro_step(self, step: int, micro: int, ramp: float, sums: dict) -> None:
+        """Forward and backward of one micro-batch; adds its share of the metrics to ``sums``."""
+        cfg, state = self.cfg, self.state
+        idx = batch_indices(len(self.data), cfg.batch_size, step * cfg.grad_accum + micro, cfg.seed,
+                            rank=self.rank, world=self.world)
+        ids = self.data[idx].to(self.device)
+        state.records.clear()  # wrappers (PEFT, DDP) may bypass the model's pre-hook
+        state.valid = None  # packed sequences: every token is valid
+        with self.autocast if self.autocast is not None else contextlib.nullcontext():
+            teacher = _teacher_logits(self.model, self.fwd, ids) if cfg.distill > 0 else None
+            state.records.clear()
+            out = self.fwd(input_ids=ids, labels=ids, use_cache=False)  # no KV cache in training
+            s_hat = state.measured_s_hat()
+            sp = self._sparsity_term(out, s_hat, ramp, sums)
+            lm = out.loss.float()
+            if teacher is not None:
+                kl = distillation_loss(out.logits, teacher, cfg.distill_temperature)
+                sums["kl"] += kl.item() / cfg.grad_accum
+                lm = (1.0 - cfg.distill) * lm + cfg.distill * kl
+            loss = lm + self.rcfg.sparsity_weight * sp
+        if not torch.isfinite(loss):
+            raise TrainingDivergedError(
+                f"non-finite loss ({loss.item()}) at step {step + 1}; "
+                f"last good checkpoint is step {self.last_saved} in {self.stage_dir / CHECKPOINT}",
+                "lower --lr or use --dtype fp32, then --resume",
+            )
+        scaled = loss / cfg.grad_accum
+        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        sums["loss"] += loss.item() / cfg.grad_accum
+        sums["lm_loss"] += out.loss.item() / cfg.grad_accum
+        for m in self.modules:
+            sums[f"s_{m}"] += s_hat[m].item() / cfg.grad_accum
+
+    def _sparsity_term(self, out, s_hat: dict, ramp: float, sums: dict) -> torch.Tensor:
+        """``|s_target - s_hat|`` of one micro-batch (multiplied by lambda by the caller): the
+        cost-weighted skip fraction against the cost target, else the group fractions against the
+        sparsity targets; the target ramps with ``sparsity_warmup``."""
+        state, target = self.state, self.skip_target
+        if target is not None and state.records:
+            s_w = target.cost.weighted_skip({(i, m): f for i, m, f in state.records})
+            sums["cost"] += (1.0 - s_w.item()) / self.cfg.grad_accum
+            return cost_loss(s_w, ramp * target.skip)
+        if s_hat:
+            return sparsity_loss(s_hat, {m: t * ramp for m, t in self.targets.items()}, self.rcfg.per_module_targets)
+        return out.loss * 0
+
+    def _update(self, step: int, t0: float, ramp: float, sums: dict, log_every: int) -> dict:
+        """The parameter update and the step's bookkeeping, with SIGINT held in between: an
+        interrupt landing there would checkpoint updated weights under the previous step number."""
+        cfg, optimizer = self.cfg, self.optimizer
+        with _defer_sigint():
+            if self.scaler:
+                self.scaler.unscale_(optimizer)
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+            if self.scaler:
+                self.scaler.step(optimizer)
+                self.scaler.update()
+            else:
+                optimizer.step()
+            self.scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            self.elapsed += dt
+            self.completed, self.snapshot = step + 1, self.rng_snapshot()
+            active = [sums[f"s_{m}"] for m in self.modules]
+            if self.warm_steps > 0:
+                sums["target_ramp"] = ramp
+            metrics = {
+                "step": step + 1,
+                **{k: round(v, 5) for k, v in sums.items()},
+                "sparsity": round(sum(active) / len(active), 5) if active else 0.0,
+                "tau": round(self.state.tau, 4),
+                "lr": optimizer.param_groups[0]["lr"],
+                "tokens_per_s": round(cfg.tokens_per_step * self.world / dt, 1),
+            }
+            if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
+                self.history.append(metrics)
+        return metrics
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def rng_snapshot(self) -> dict:
+        return {"gumbel": self.gen.get_state(), "torch": torch.get_rng_state()}
+
+    def meta_for(self, step: int) -> dict:
+        return {
+            "step": step,
+            "tokens": step * self.cfg.tokens_per_step * self.world,
+            "world": self.world,
+            "seconds": self.elapsed,
+            "history": self.history,
+            "identity": self.identity,
+        }
+
+    def _save(self, step: int, rng: dict) -> None:
+        save_checkpoint(self.stage_dir, self.model, self.optimizer, self.scheduler, self.meta_for(step), rng)
+
+    def checkpoint_every(self, done: int) -> None:
+        """The periodic checkpoint after ``done`` steps (rank 0; not after the last step)."""
+        every = self.cfg.checkpoint_every
+        if self.rank == 0 and every and done % every == 0 and done < self.cfg.steps:
+            self._save(done, self.snapshot)
+            self.last_saved = done
+
+    def save_interrupted(self) -> None:
+        """On Ctrl-C: a checkpoint of the last completed step, unless one exists already."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.rank == 0 and self.completed > self.last_saved:
+            self._save(self.completed, self.snapshot)
+
+    # ----------------------------------------------------------------------------- after
+    def leave_training(self) -> None:
+        """Deterministic routing, one process, eval mode: what every caller expects afterwards."""
+        self.state.set_mode("argmax")
+        self.state.world, self.state.rank = 1, 0
+        self.state.grad_checkpointing = False
+        self.model.eval()
+
+    def finish(self) -> TrainResult:
+        """The result; rank 0 writes the final checkpoint and ``result.json``."""
+        cfg, history = self.cfg, self.history
+        result = TrainResult(cfg.steps, cfg.steps * cfg.tokens_per_step * self.world, self.elapsed,
+                             history[-1] if history else {}, history, self.resumed_from, self.plan.to_dict())
+        if self.rank == 0:
+            self._save(cfg.steps, self.rng_snapshot())
+            atomic_write_json(self.stage_dir / RESULT, {**result.to_dict(), "history": history, "identity": self.identity})
+        return result
 
 
 def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -396,8 +468,6 @@ def _teacher_logits(model, fwd, ids: torch.Tensor) -> torch.Tensor:
     """Logits of the dense teacher: the same frozen backbone with routing off and LoRA adapters
     disabled (no second copy of the weights); a hybrid model (``RoutingConfig.drop_layers``) runs
     with its removed layers back, i.e. the source model. Leaves the routing mode as it found it."""
-    import contextlib
-
     from wide_cli.models.depth import source_depth
 
     state = model.wide_routing
@@ -436,14 +506,6 @@ class _defer_sigint:
             signal.signal(signal.SIGINT, self.old)
             if self.pending:
                 signal.raise_signal(signal.SIGINT)
-        return False
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
         return False
 
 
@@ -488,20 +550,3 @@ class _Bar:
         if self.p is not None:
             self.p.stop()
             self.p = None
-
-
-def is_complete(stage_dir: Path, steps: int) -> bool:
-    """True when ``stage_dir/result.json`` records a finished run of ``steps`` steps."""
-    p = Path(stage_dir) / RESULT
-    if not p.is_file():
-        return False
-    try:
-        return json.loads(p.read_text()).get("steps") == steps
-    except ValueError:
-        return False
-
-
-def finite_or_raise(x: float, what: str) -> float:
-    if not math.isfinite(x):
-        raise TrainingDivergedError(f"{what} is not finite ({x})")
-    return x
