@@ -5,7 +5,9 @@ export per feature) and off (the plain routed Llama every other export differs f
 
 For each (export, implementation) the feature table decides: a supported export runs and must give
 the reference backend's results; an unsupported one must be refused with ``UnsupportedFeature``
-(when the hf export is written, or when it is loaded), never run.
+(when the hf export is written, or when it is loaded), never run, in one line naming the file that
+declares the feature, the feature and the implementation. The oracle of an export the reference
+backend refuses (mlp biases, length-dependent RoPE) is the in-memory model's training layer.
 
 What is compared, on a 9-token prompt and 8 greedy tokens (EOS ignored):
 - greedy tokens: equal;
@@ -26,8 +28,9 @@ import pytest
 import torch
 
 from tests._exports import feature_model
+from wide_cli import features
 from wide_cli.export import export_model
-from wide_cli.features import UnsupportedFeature, read_export_features, unsupported
+from wide_cli.features import FEATURES, UnsupportedFeature, read_export_features, unsupported
 from wide_cli.models.arch import ROUTED_MODULES
 from wide_cli.models.tiny import char_tokenizer
 
@@ -56,6 +59,9 @@ EXPORTS = {
     "weights_int8": ({}, "int8", {"weights_int8"}),
     "format_hf": ({}, "hf", {"format_hf"}),
     "mlp_bias": ({"mlp_bias": True}, "fp32", {"mlp_bias"}),
+    "rope_dynamic": ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "fp32",
+                     {"rope_dynamic"}),
+    "static_width_compact": ({"method": "static-width", "ags": 1}, "hf", {"static_width_compact"}),
 }
 IMPLEMENTATIONS = ("reference", "cpu", "native", "hf")
 
@@ -82,7 +88,9 @@ def _build(name: str, root):
                 p.data = p.data.to(dtype)
         model.config.dtype = dtype
     if static_depth:  # a plain smaller model, as static_depth.export records it
-        wc = {**wc, "method": "static-depth", "static_depth": {"removed": [2], "num_layers": 3}}
+        wc = {**wc, "method": "static-depth",
+              "static_depth": {"removed": [2], "kept": [0, 1], "num_layers": 3, "cost_target": 0.75,
+                               "cost_metric": "flops", "cost_fraction": 0.667, "calibration_tokens": 64}}
     tok = char_tokenizer()
     out = {"model": model}
     fmt = "int8" if weights == "int8" else "fp32"
@@ -198,14 +206,20 @@ def test_implementation_runs_the_export_like_the_reference_or_refuses_it(exports
         assert path.implementation == "hf" and unsupported(_features(paths), "hf")
         return
     feats = read_export_features(path)
-    assert EXPORTS[name][2] <= feats
+    assert _expected(name, hf=impl == "hf" or EXPORTS[name][1] == "hf") <= feats
     if unsupported(feats, impl):
         with pytest.raises(UnsupportedFeature) as e:
             if impl == "hf":
                 _run_hf(path, None)
             else:
                 _run_runtime(path, impl, None)
-        assert e.value.feature in unsupported(feats, impl)
+        # the native step runs inside the cpu backend, which checks its own row first
+        refuser = "cpu" if impl == "native" and unsupported(feats, "cpu") else impl
+        assert (e.value.implementation, e.value.feature) == (refuser, unsupported(feats, refuser)[0])
+        what, file = FEATURES[e.value.feature]
+        assert str(e.value).startswith(f"{path / file}: {what} [{e.value.feature}] is not supported by "
+                                       f"{features.IMPLEMENTATIONS[refuser][0]} (")
+        assert "\n" not in str(e.value)
         return
     ref = reference(name)
     got = _run_hf(path, ref.tokens) if impl == "hf" else _run_runtime(path, impl, ref.tokens)
@@ -217,6 +231,16 @@ def test_implementation_runs_the_export_like_the_reference_or_refuses_it(exports
         assert got.skipped is not None and torch.equal(got.skipped, ref.skipped), (got.skipped, ref.skipped)
     routed = {"routers", "static_width_keep", "static_width_compact"} & feats
     assert (float(ref.skipped.sum()) > 0) == bool(routed)  # the routed exports really skip groups
+
+
+def _expected(name: str, *, hf: bool) -> set:
+    """The features export ``name`` must have on, in the hf format (static width narrowed
+    physically there) or the wide one."""
+    want = set(EXPORTS[name][2])
+    if hf:
+        want = {"format_hf" if f == "format_wide" else "static_width_compact" if f == "static_width_keep" else f
+                for f in want} | {"format_hf"}
+    return want
 
 
 def _features(paths: dict) -> frozenset:
