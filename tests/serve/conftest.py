@@ -20,6 +20,7 @@ def build_export(path, kind: str = "llama", *, export_format: str = "wide", meth
     static width: a seeded keep mask per layer and module, the first group always kept) with a
     character tokenizer that has a chat template. ``standin``: seeded non-zero stand-ins;
     ``drop_layers``: a hybrid (that many of ``2 + drop_layers`` layers removed, then routed);
+    ``method="static-depth"``: a plain model, layer 1 of 3 removed, no routers;
     ``overrides``: config fields. Returns ``path``."""
     from wide_cli.export import export_model
     from wide_cli.models.depth import remove_layers
@@ -27,6 +28,19 @@ def build_export(path, kind: str = "llama", *, export_format: str = "wide", meth
     from wide_cli.routing import RoutingConfig, attach_routers
 
     shape = {"max_position_embeddings": 256, **SHAPE, **overrides}
+    tok = char_tokenizer(with_pad=False)
+    tok.chat_template = CHAT_TEMPLATE
+    if method == "static-depth":  # what pipeline/static_depth.export writes: layer 1 of 3 removed
+        from wide_cli.pipeline.static_depth import PLAIN_ROUTING
+
+        model = tiny_model(kind, seed=seed, num_hidden_layers=3, **shape)
+        remove_layers(model, [1])
+        sel = {"removed": [1], "kept": [0, 2], "num_layers": 3, "cost_target": 0.75, "cost_metric": "flops",
+               "cost_fraction": 0.67, "calibration_tokens": 64}
+        wc = {"method": method, "routing": PLAIN_ROUTING.to_dict(), "static_depth": sel,
+              "source_model": {"spec": f"tiny-{kind}"}}
+        export_model(model, tok, path, wide_config=wc, export_format=export_format, weight_format=weight_format)
+        return path
     model = tiny_model(kind, seed=seed, num_hidden_layers=2 + drop_layers, **shape)
     removed = list(range(1, 1 + drop_layers))
     if removed:
@@ -53,8 +67,6 @@ def build_export(path, kind: str = "llama", *, export_format: str = "wide", meth
             for n, p in model.named_parameters():
                 if n.endswith(".standin"):
                     p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    tok = char_tokenizer(with_pad=False)
-    tok.chat_template = CHAT_TEMPLATE
     lay = state.layout
     wc = {
         "method": method,

@@ -85,6 +85,12 @@ def test_plan_takes_stand_in_hybrid_exports(export_factory):
     assert plan.overrides["wide_routing"]["routing"]["drop_layers"] == 1
 
 
+def test_plan_serves_exports_without_routed_layers_as_vllms_own_model(export_factory):
+    plan = serve_plan(export_factory("llama", method="static-depth"))
+    assert (plan.architecture, plan.overrides, plan.trust_remote_code) == ("LlamaForCausalLM", {}, False)
+    assert json.loads((plan.path / "config.json").read_text())["num_hidden_layers"] == 2
+
+
 @pytest.mark.parametrize(
     ("features", "file", "message"),
     [({"weight_format": "int8"}, "wide_config.json", "int8 weights (wide export --weights int8) [weights_int8]"),

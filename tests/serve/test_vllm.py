@@ -51,10 +51,10 @@ def offline(export_factory, tmp_path_factory):
     """``(kind, method, **features) -> (export, result)``: one vLLM engine per model, both modes."""
     done = {}
 
-    def run(kind: str, method: str = "wide", **features):
-        key = (kind, method, tuple(sorted(features.items())))
+    def run(kind: str, method: str = "wide", export_format: str = "wide", **features):
+        key = (kind, method, export_format, tuple(sorted(features.items())))
         if key not in done:
-            export = export_factory(kind, method=method, **features)
+            export = export_factory(kind, export_format, method=method, **features)
             d = tmp_path_factory.mktemp(f"offline-{kind}")
             req = {"export": str(export), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "dtype": "float32",
                    "max_model_len": 128, "modes": ["routed", "all-on"], "kv_cache_gib": 1}  # fmt: skip
@@ -71,8 +71,9 @@ def offline(export_factory, tmp_path_factory):
 @pytest.mark.parametrize(
     ("kind", "method", "features"),
     [("llama", "wide", {}), ("mistral", "wide", {"sliding_window": 16}), ("qwen2", "wide", {}),
-     ("qwen3", "wide", {}), ("llama", "static-width", {}), ("llama", "wide", {"standin": "trained", "drop_layers": 1})],
-    ids=["llama", "mistral-window", "qwen2", "qwen3", "static-width", "standin-hybrid"],
+     ("qwen3", "wide", {}), ("llama", "static-width", {}), ("llama", "wide", {"standin": "trained", "drop_layers": 1}),
+     ("llama", "wide", {"standin": "trained", "drop_layers": 1, "export_format": "hf"})],
+    ids=["llama", "mistral-window", "qwen2", "qwen3", "static-width", "standin-hybrid", "standin-hybrid-hf"],
 )
 def test_offline_greedy_tokens_equal_the_reference(offline, kind, method, features):
     """Routed tokens equal the runtime's reference backend; with every group forced on they
@@ -89,6 +90,14 @@ def test_offline_greedy_tokens_equal_the_reference(offline, kind, method, featur
         st = routed["stats"][module]
         assert 0 < st["executed"] < st["dense"], (module, st)
         assert all_on["stats"][module]["executed"] == all_on["stats"][module]["dense"] > 0
+
+
+def test_offline_static_depth_export_is_vllms_own_model_with_the_reference_tokens(offline):
+    """A static-depth export (no routers: a plain model with fewer layers) is served by vLLM's
+    own class, and gives the reference backend's tokens."""
+    export, res = offline("llama", "static-depth")
+    assert res["runs"]["routed"]["tokens"] == _reference(export, routing=True)
+    assert res["runs"]["routed"]["stats"]["ffn"]["dense"] == 0  # no routed op ran
 
 
 # -------------------------------------------------------------------------------------- server

@@ -47,7 +47,9 @@ class ServePlan:
     Attributes:
         path: the export directory.
         export_format: ``wide`` or ``hf``.
-        architecture: the plugin class name (``WideLlamaForCausalLM`` ...).
+        architecture: the plugin class name (``WideLlamaForCausalLM`` ...), or for an export
+            without routed layers (static depth) the base class vLLM serves itself
+            (``LlamaForCausalLM`` ...), with no overrides.
         overrides: ``--hf-overrides`` for vLLM (``{}`` for an hf export in ``routed`` mode).
         trust_remote_code: True for hf exports (their ``model_type`` is ``wide_<base>``).
         method: the routing method of the export.
@@ -59,6 +61,11 @@ class ServePlan:
     overrides: dict
     trust_remote_code: bool
     method: str
+
+
+#: export features (``wide_cli.features``) that need the plugin's routed layers; an export with
+#: none of them is a plain model.
+ROUTED_FEATURES = frozenset({"routers", "static_width_keep", "static_width_compact"})
 
 
 def _read_json(p: Path, what: str) -> dict:
@@ -105,9 +112,14 @@ def serve_plan(export, *, mode: str = "routed") -> ServePlan:
         )
     from wide_cli.features import check_export
 
-    check_export(path, "vllm")  # what the plugin cannot run is refused here, not inside the engine
+    feats = check_export(path, "vllm")  # what the plugin cannot run is refused here, not inside the engine
     method = str(wcfg.get("method") or wcfg.get("routing", {}).get("method", "wide"))
     overrides: dict = {}
+    if export_format == "wide" and not feats & ROUTED_FEATURES:
+        # static depth (or layers removed with routing off): a plain smaller model of the base
+        # architecture, served by vLLM's own class (its prepacked kernels), no plugin involved
+        return ServePlan(path, export_format, (cfg.get("architectures") or [arch.removeprefix("Wide")])[0], {},
+                         False, method)
     if export_format == "hf":
         if mode != "routed":
             overrides = {"wide_routing": {**cfg["wide_routing"], "serve_mode": mode}}
