@@ -56,6 +56,7 @@ EXPORTS = {
     "rope_scaled": ({"head_dim": 32, "max_position_embeddings": 1024, "rope_parameters": LLAMA3_ROPE}, "fp32",
                     {"rope_scaled"}),
     "weights_bf16": ({"dtype": torch.bfloat16}, "fp32", {"weights_bf16"}),
+    "weights_fp16": ({"dtype": torch.float16}, "fp32", {"weights_fp16"}),
     "weights_int8": ({}, "int8", {"weights_int8"}),
     "format_hf": ({}, "hf", {"format_hf"}),
     "mlp_bias": ({"mlp_bias": True}, "fp32", {"mlp_bias"}),
