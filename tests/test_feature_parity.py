@@ -246,3 +246,25 @@ def _expected(name: str, *, hf: bool) -> set:
 
 def _features(paths: dict) -> frozenset:
     return read_export_features(paths["wide"])
+
+
+def test_hf_modeling_code_refuses_a_feature_its_row_lacks_when_the_model_is_built(exports, tmp_path, monkeypatch):
+    """The hf export's own code (plain transformers, ``trust_remote_code``) checks its row of the
+    table too: a config that declares static-width keep masks (only ``--format wide`` carries
+    them) is refused in one line before any weight is read."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    path = shutil.copytree(exports("plain")["hf"], tmp_path / "edited")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["wide_routing"]["routing"]["method"] = "static-width"
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert "static_width_keep" in unsupported(features.export_features(features.full_config(cfg)), "hf")
+    with pytest.raises(ValueError) as e:
+        AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+    assert str(e.value).startswith("config.json: export feature 'static_width_keep' is not supported by this "
+                                   "modeling_wide.py (it runs ")
+    assert "\n" not in str(e.value)
