@@ -100,6 +100,28 @@ def test_offline_static_depth_export_is_vllms_own_model_with_the_reference_token
     assert res["runs"]["routed"]["stats"]["ffn"]["dense"] == 0  # no routed op ran
 
 
+def test_plugin_refuses_a_feature_its_row_lacks_when_the_model_is_built(export_factory):
+    """The plugin checks its row of the feature table itself (vLLM started without `wide serve`'s
+    preflight): int8 weights are refused naming the file and the feature."""
+    export = export_factory("llama", weight_format="int8")
+    code = (
+        "import sys\n"
+        "from transformers import AutoConfig\n"
+        "from wide_cli.features import UnsupportedFeature\n"
+        "from wide_cli.serve.vllm_models import check_served_features\n"
+        "try:\n"
+        "    check_served_features(AutoConfig.from_pretrained(sys.argv[1]), sys.argv[1])\n"
+        "except UnsupportedFeature as e:\n"
+        "    print(e)\n"
+    )
+    r = subprocess.run([_serve_python(), "-c", code, str(export)], capture_output=True, text=True, timeout=300,
+                       check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1].startswith(
+        f"{export / 'wide_config.json'}: int8 weights (wide export --weights int8) [weights_int8] is not supported "
+        "by the wide vLLM plugin (")
+
+
 # -------------------------------------------------------------------------------------- server
 
 
