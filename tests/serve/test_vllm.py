@@ -131,10 +131,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVED = {"standin": "trained", "drop_layers": 1}
+
+
 @pytest.fixture(scope="module")
 def server(export_factory):
-    """`wide serve` on an --format hf Qwen2 export (q/k/v bias, trust_remote_code), 127.0.0.1."""
-    export = export_factory("qwen2", "hf")
+    """`wide serve` on an --format hf Qwen2 export (q/k/v bias, trust_remote_code), a hybrid with
+    stand-ins (a layer removed, then routed), on 127.0.0.1."""
+    export = export_factory("qwen2", "hf", **SERVED)
     port = _free_port()
     env = {**os.environ, "WIDE_SERVE_PYTHON": _serve_python()}
     cmd = [sys.executable, "-m", "wide_cli", "serve", str(export), "--port", str(port), "--dtype", "float32",
@@ -199,12 +203,11 @@ def test_eight_concurrent_requests_equal_sequential_ones(server, endpoint):
     assert len({tuple(t) for t in sequential}) > 1
 
 
-def test_server_completion_equals_the_reference(server, export_factory):
+def test_server_completion_equals_the_reference(server):
     from wide_cli.runtime.engine import Runtime
 
-    url, _ = server
-    # the runtime reads --format wide exports; this one has the same seeded weights and routers
-    rt = Runtime.from_export(export_factory("qwen2"), backend="reference", dtype="fp32")
+    url, export = server
+    rt = Runtime.from_export(export, backend="reference", dtype="fp32")
     ref = rt.generate(TEXTS[:2], max_new_tokens=MAX_TOKENS, ignore_eos=True)
     assert [_completion(url, t) for t in TEXTS[:2]] == ref.tokens
 
