@@ -72,8 +72,9 @@ def offline(export_factory, tmp_path_factory):
     ("kind", "method", "features"),
     [("llama", "wide", {}), ("mistral", "wide", {"sliding_window": 16}), ("qwen2", "wide", {}),
      ("qwen3", "wide", {}), ("llama", "static-width", {}), ("llama", "wide", {"standin": "trained", "drop_layers": 1}),
-     ("llama", "wide", {"standin": "trained", "drop_layers": 1, "export_format": "hf"})],
-    ids=["llama", "mistral-window", "qwen2", "qwen3", "static-width", "standin-hybrid", "standin-hybrid-hf"],
+     ("llama", "wide", {"standin": "trained", "drop_layers": 1, "export_format": "hf"}), ("llama", "dynamic-depth", {})],
+    ids=["llama", "mistral-window", "qwen2", "qwen3", "static-width", "standin-hybrid", "standin-hybrid-hf",
+         "dynamic-depth"],
 )
 def test_offline_greedy_tokens_equal_the_reference(offline, kind, method, features):
     """Routed tokens equal the runtime's reference backend; with every group forced on they
