@@ -1,7 +1,9 @@
 """One routed layer, several implementations: every implementation that runs here (the runtime's
 reference backend, the cpu backend's PyTorch path, its native decode step, the hf export's
-modeling code) on the same tiny exports, each export feature of ``wide_cli.features`` on (one
-export per feature) and off (the plain routed Llama every other export differs from).
+modeling code, and the training layer of the model each export was written from) on the same tiny
+exports, each export feature of ``wide_cli.features`` on (one export per feature) and off (the
+plain routed Llama every other export differs from). The vLLM plugin runs in the serving suite
+(``tests/serve/test_vllm.py``).
 
 For each (export, implementation) the feature table decides: a supported export runs and must give
 the reference backend's results; an unsupported one must be refused with ``UnsupportedFeature``
@@ -268,3 +270,21 @@ def test_hf_modeling_code_refuses_a_feature_its_row_lacks_when_the_model_is_buil
     assert str(e.value).startswith("config.json: export feature 'static_width_keep' is not supported by this "
                                    "modeling_wide.py (it runs ")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", [n for n, (_, weights, _) in EXPORTS.items() if weights != "int8"])
+def test_training_layer_gives_the_reference_results(exports, reference, name):
+    """The training-time routed layer (``routing/layer.py``, argmax decisions) of the model each
+    export was written from gives the reference results (the int8 export is left out: its weights
+    are not the in-memory model's)."""
+    paths = exports(name)
+    ref = reference(name)
+    got = _run_hf_model(paths["model"], ref.tokens)
+    half = paths["model"].dtype in (torch.bfloat16, torch.float16)  # computes in its storage dtype
+    atol = REL_ATOL * float(ref.logits.abs().max()) if half else FP32_ATOL
+    torch.testing.assert_close(got.logits, ref.logits, atol=atol, rtol=0)
+    assert got.tokens == ref.tokens
+    if got.skipped is None:  # no routers (static depth): the reference skipped nothing either
+        assert float(ref.skipped.sum()) == 0
+    else:
+        assert torch.equal(got.skipped, ref.skipped), (got.skipped, ref.skipped)
