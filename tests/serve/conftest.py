@@ -3,6 +3,7 @@ like the demo (one attention group per KV head: 3 query heads; FFN groups of 128
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 
@@ -94,9 +95,10 @@ def export_factory(tmp_path_factory):
     made = {}
 
     def get(kind: str = "llama", export_format: str = "wide", method: str = "wide", **features):
-        key = (kind, export_format, method, tuple(sorted(features.items())))
+        key = (kind, export_format, method, json.dumps(features, sort_keys=True))
         if key not in made:
-            name = "-".join([kind, export_format, method, *(f"{k}{v}" for k, v in sorted(features.items()))])
+            name = "-".join([kind, export_format, method, *(f"{k}{v}" for k, v in sorted(features.items())
+                                                            if not isinstance(v, dict))])
             made[key] = build_export(tmp_path_factory.mktemp("serve") / name, kind, export_format=export_format,
                                      method=method, **features)  # fmt: skip
         return made[key]

@@ -26,6 +26,9 @@ pytestmark = pytest.mark.serving
 
 PROMPTS = [[10, 20, 30], [5, 6, 7, 8, 9, 11, 12, 13, 14], list(range(40, 57)), [(7 * i) % 100 + 5 for i in range(40)]]
 MAX_TOKENS = 16
+#: Llama 3 RoPE scaling (its low frequencies rescaled, at every position).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
 STARTUP_S = 900
 
 
@@ -52,7 +55,7 @@ def offline(export_factory, tmp_path_factory):
     done = {}
 
     def run(kind: str, method: str = "wide", export_format: str = "wide", **features):
-        key = (kind, method, export_format, tuple(sorted(features.items())))
+        key = (kind, method, export_format, json.dumps(features, sort_keys=True))
         if key not in done:
             export = export_factory(kind, export_format, method=method, **features)
             d = tmp_path_factory.mktemp(f"offline-{kind}")
@@ -72,9 +75,10 @@ def offline(export_factory, tmp_path_factory):
     ("kind", "method", "features"),
     [("llama", "wide", {}), ("mistral", "wide", {"sliding_window": 16}), ("qwen2", "wide", {}),
      ("qwen3", "wide", {}), ("llama", "static-width", {}), ("llama", "wide", {"standin": "trained", "drop_layers": 1}),
-     ("llama", "wide", {"standin": "trained", "drop_layers": 1, "export_format": "hf"}), ("llama", "dynamic-depth", {})],
+     ("llama", "wide", {"standin": "trained", "drop_layers": 1, "export_format": "hf"}), ("llama", "dynamic-depth", {}),
+     ("llama", "wide", {"attention_bias": True}), ("llama", "wide", {"rope_parameters": LLAMA3_ROPE})],
     ids=["llama", "mistral-window", "qwen2", "qwen3", "static-width", "standin-hybrid", "standin-hybrid-hf",
-         "dynamic-depth"],
+         "dynamic-depth", "attention-bias", "llama3-rope"],
 )
 def test_offline_greedy_tokens_equal_the_reference(offline, kind, method, features):
     """Routed tokens equal the runtime's reference backend; with every group forced on they
