@@ -93,12 +93,12 @@ def throughput(systems: list[tuple], prompts: list[str], work: Path, rounds: int
     hits all of them alike; a row's ``output_tokens_per_s`` is the median over rounds."""
     from wide_cli.serve.server import server_env, start, stop
 
-    procs = []
+    procs, logs = [], []
     try:
         for i, (name, _, cmd, o) in enumerate(systems):
             print(f"starting {name} ...", file=sys.stderr)
-            with open(work / f"server-{i}.log", "w") as lf:
-                procs.append(start(cmd, server_env(o), f"http://{o.host}:{o.port}", log=lf))
+            logs.append(open(work / f"server-{i}.log", "w"))  # noqa: SIM115 -- the server writes to it until stopped
+            procs.append(start(cmd, server_env(o), f"http://{o.host}:{o.port}", log=logs[-1])[0])
             base = f"http://{o.host}:{o.port}"
             _post(base + "/v1/completions", {"model": _post_models(base + "/v1"), "prompt": prompts[0], "max_tokens": 4})
         runs: dict = {}
@@ -112,6 +112,8 @@ def throughput(systems: list[tuple], prompts: list[str], work: Path, rounds: int
     finally:
         for p in procs:
             stop(p)
+        for lf in logs:
+            lf.close()
     rows = []
     for name, skips, _, _ in systems:
         for c in CONCURRENCY:

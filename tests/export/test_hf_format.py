@@ -197,13 +197,11 @@ def test_lm_eval_hflm_loads_hf_export(tmp_path):
     assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-5)
 
 
-def test_loads_where_wide_is_not_importable(tmp_path):
-    """A python that cannot import wide_cli (no repo on sys.path, no editable-install hook) loads
-    the export and prints the same logits."""
-    model, cfg = _routed("qwen3", head_dim=32)
-    out = _export(model, cfg, tmp_path / "hf_nowide", "hf").path
+def _without_wide(tmp_path, body: str):
+    """Run ``body`` (Python, dedented) in a python that cannot import wide_cli (no repo on
+    sys.path, no editable-install hook) and return the JSON its last stdout line holds."""
     site = sysconfig.get_paths()["purelib"]
-    code = textwrap.dedent(f"""
+    prologue = textwrap.dedent(f"""
         import sys, json
         sys.path[:] = [p for p in sys.path if 'site-packages' not in p] + [{site!r}]
         try:
@@ -214,12 +212,8 @@ def test_loads_where_wide_is_not_importable(tmp_path):
             raise SystemExit('wide_cli is importable: the test is not isolated')
         import torch
         from transformers import AutoModelForCausalLM
-        m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
-        ids = torch.tensor({IDS.tolist()!r})
-        with torch.no_grad():
-            print(json.dumps(m(ids).logits.tolist()))
-        assert 'wide_cli' not in sys.modules
     """)
+    code = prologue + textwrap.dedent(body) + "\nassert 'wide_cli' not in sys.modules\n"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"), OMP_NUM_THREADS="1")
     # -I: no PYTHONPATH, no cwd / script dir, no user site; -S: no .pth files (the editable
@@ -227,10 +221,63 @@ def test_loads_where_wide_is_not_importable(tmp_path):
     r = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, env=env,
                        cwd=tmp_path, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
-    got = torch.tensor(json.loads(r.stdout.strip().splitlines()[-1]))
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_loads_where_wide_is_not_importable(tmp_path):
+    """A python that cannot import wide_cli loads the export and prints the same logits."""
+    model, cfg = _routed("qwen3", head_dim=32)
+    out = _export(model, cfg, tmp_path / "hf_nowide", "hf").path
+    got = torch.tensor(_without_wide(tmp_path, f"""
+        m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
+        ids = torch.tensor({IDS.tolist()!r})
+        with torch.no_grad():
+            print(json.dumps(m(ids).logits.tolist()))
+    """))
     with torch.no_grad():
         ref = load_pruned(_export(model, cfg, tmp_path / "wide_nowide", "wide").path).model(IDS).logits
     assert (got - ref).abs().max().item() <= ATOL
+
+
+def test_standin_hybrid_hf_export_matches_the_reference_backend_without_wide(tmp_path):
+    """A hybrid export with trained stand-ins (a layer removed, then width routed; skipped groups
+    add their stand-in vectors) loads in plain transformers where wide is not installed and gives
+    the runtime reference backend's logits and greedy tokens (EOS ignored)."""
+    from tests._exports import feature_model
+    from wide_cli.features import read_export_features
+    from wide_cli.runtime.engine import Runtime
+
+    model, wc = feature_model("llama", standin="trained", drop_layers=1)
+    tok = char_tokenizer()
+    hf = export_model(model, tok, tmp_path / "hf_hybrid", wide_config=wc, export_format="hf").path
+    wide = export_model(model, tok, tmp_path / "wide_hybrid", wide_config=wc).path
+    assert {"standins", "dropped_layers", "format_hf"} <= read_export_features(hf)
+    res = _without_wide(tmp_path, f"""
+        m = AutoModelForCausalLM.from_pretrained({str(hf)!r}, trust_remote_code=True).eval()
+        m.generation_config.eos_token_id = None  # greedy through EOS, like --ignore-eos
+        ids = torch.tensor({IDS.tolist()!r})
+        with torch.no_grad():
+            logits = m(ids).logits.tolist()
+            tokens = m.generate(ids[:1], max_new_tokens=10, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        skipped = [l.router_attention.standin.abs().sum().item() > 0 for l in m.model.layers]
+        print(json.dumps({{"logits": logits, "tokens": tokens, "layers": len(m.model.layers), "standins": skipped}}))
+    """)
+    assert res["layers"] == 2 and all(res["standins"])
+    rt = Runtime.from_export(wide, backend="reference")
+    want = rt.forward(IDS)
+    assert (torch.tensor(res["logits"]) - want).abs().max().item() <= ATOL
+    assert 0 < rt.stats.summary()["total"] < 1  # groups skipped, so the stand-ins were used
+    assert res["tokens"] == rt.generate([IDS[0].tolist()], max_new_tokens=10, ignore_eos=True).tokens[0]
+
+
+def test_hf_export_refuses_int8_weights_before_writing(tmp_path):
+    from wide_cli.features import UnsupportedFeature
+
+    model, cfg = _routed()
+    with pytest.raises(UnsupportedFeature, match=r"int8 weights .* is not supported by the hf export's modeling code"):
+        export_model(model, char_tokenizer(), tmp_path / "hf_int8", wide_config={"routing": cfg.to_dict()},
+                     export_format="hf", weight_format="int8")
+    assert not (tmp_path / "hf_int8").exists()
 
 
 # ----------------------------------------------------------------------------- static width

@@ -183,8 +183,16 @@ def test_static_depth_stage_by_stage(tmp_path, text_file):
     ok(["export", "--run-dir", run, "--out", str(tmp_path / "exp")])
     wcfg = json.loads((tmp_path / "exp" / "wide_config.json").read_text())
     assert wcfg["lora"]["merged"] and wcfg["static_depth"]["removed"] == sel["removed"]
-    code = main(["export", "--run-dir", run, "--out", str(tmp_path / "hf"), "--format", "hf"])
-    assert code == 2 and not (tmp_path / "hf").exists()
+    # --format hf: the same plain transformers checkpoint (no modeling code needed)
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ok(["export", "--run-dir", run, "--out", str(tmp_path / "hf"), "--format", "hf"])
+    assert not (tmp_path / "hf" / "modeling_wide.py").exists()
+    want, got = load_file(tmp_path / "exp" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert plain.config.num_hidden_layers == 1 and type(plain).__name__ == "LlamaForCausalLM"
 
 
 def test_static_depth_model_card_and_inspect_describe_the_removed_layers(tmp_path, text_file):

@@ -79,6 +79,44 @@ def test_plan_refuses_non_exports_and_unsupported_architectures(tmp_path, export
         serve_plan(export_factory("llama"), mode="sparse")
 
 
+def test_plan_takes_stand_in_hybrid_exports(export_factory):
+    plan = serve_plan(export_factory("llama", standin="trained", drop_layers=1))
+    assert plan.overrides["wide_routing"]["routing"]["standin"] == "trained"
+    assert plan.overrides["wide_routing"]["routing"]["drop_layers"] == 1
+
+
+def test_plan_serves_exports_without_routed_layers_as_vllms_own_model(export_factory):
+    plan = serve_plan(export_factory("llama", method="static-depth"))
+    assert (plan.architecture, plan.overrides, plan.trust_remote_code) == ("LlamaForCausalLM", {}, False)
+    assert json.loads((plan.path / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+@pytest.mark.parametrize(
+    ("features", "file", "message"),
+    [({"weight_format": "int8"}, "wide_config.json", "int8 weights (wide export --weights int8) [weights_int8]"),
+     ({"export_format": "hf", "method": "static-width"}, "config.json",
+      "static width physically narrowed per layer (wide_layer_heads) [static_width_compact]")],
+    ids=["int8", "static-width-hf"],
+)
+def test_preflight_refuses_what_the_plugin_cannot_run_naming_feature_and_file(export_factory, features, file, message):
+    """`wide serve` reads the feature table before vLLM starts: one line, exit 2."""
+    export = export_factory("llama", **features)
+    r = _wide(["serve", export, "--port", _free_port()], env={"WIDE_SERVE_PYTHON": sys.executable})
+    assert r.returncode == 2
+    assert _error_line(r).startswith(f"error: {export / file}: {message} is not supported by the wide vLLM plugin (")
+    assert "starting vLLM" not in r.stderr
+
+
+def test_preflight_follows_the_feature_table(export_factory, monkeypatch):
+    from wide_cli import features
+    from wide_cli.features import UnsupportedFeature
+
+    export = export_factory("llama", standin="trained")
+    monkeypatch.setitem(features.SUPPORT, "vllm", features.SUPPORT["vllm"] - {"standins"})
+    with pytest.raises(UnsupportedFeature, match=r"wide_config.json: stand-ins for skipped groups .* \[standins\]"):
+        serve_plan(export)
+
+
 # ------------------------------------------------------------------------------ tensor parallel
 
 
@@ -186,6 +224,48 @@ def test_start_up_that_never_gets_ready_leaves_nothing_running(tmp_path, export_
     r = _wide(["serve", export_factory("llama"), "--port", _free_port(), "--startup-timeout", "12"], env=env)
     assert r.returncode == 1 and "was not ready after 12 s" in _error_line(r)
     assert _wait_gone(map(int, pids.read_text().split()))
+
+
+DYING_SERVER = r'''
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # an engine core left behind
+open(os.environ["FAKE_PIDS"], "w").write(f"{os.getpid()} {child.pid}")
+time.sleep(1)
+print("INFO 01-01 00:00:00 [core.py:100] Waiting for init message from front-end.", flush=True)
+print("(EngineCore pid=7) ERROR 01-01 00:00:01 [core.py:700] EngineCore failed to start.", flush=True)
+print("(EngineCore pid=7) Traceback (most recent call last):", flush=True)
+print('(EngineCore pid=7)   File "vllm_models.py", line 9, in _load_routers', flush=True)
+print("(EngineCore pid=7) ValueError: router tensors do not match the routing settings: missing []", flush=True)
+print("Traceback (most recent call last):", file=sys.stderr, flush=True)
+print("RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+      file=sys.stderr, flush=True)
+sys.exit(1)
+'''
+
+
+def test_engine_that_dies_is_reported_by_its_own_error_and_leaves_nothing_running(tmp_path, export_factory):
+    pids = tmp_path / "pids"
+    (tmp_path / "fake_server.py").write_text(DYING_SERVER)
+    exe = tmp_path / "python"
+    exe.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {tmp_path / "fake_server.py"} "$@"\n')
+    exe.chmod(0o755)
+    r = _wide(["serve", export_factory("llama"), "--port", _free_port()],
+              env={"WIDE_SERVE_PYTHON": str(exe), "FAKE_PIDS": str(pids)})
+    assert r.returncode == 1
+    assert _error_line(r) == ("error: the vLLM server exited during start-up (exit code 1): ValueError: router "
+                              "tensors do not match the routing settings: missing [] (the server's full log is above)")
+    assert "EngineCore failed to start." in r.stderr  # the log itself still reaches the user
+    assert _wait_gone(map(int, pids.read_text().split()))
+
+
+def test_last_error_line_skips_pointers_and_logging_prefixes():
+    from wide_cli.serve.server import last_error_line
+
+    assert last_error_line(["\x1b[1;31mERROR\x1b[0m 01-01 00:00:00 [x.py:1] boom", "all fine"]) == "boom"
+    assert last_error_line(["(APIServer pid=1) ERROR 01-01 00:00:00 [api.py:3] something broke"]) == "something broke"
+    assert last_error_line(["torch.OutOfMemoryError: no memory", "RuntimeError: see root cause above"]) == (
+        "torch.OutOfMemoryError: no memory")
+    assert last_error_line(["plain output"]) is None
 
 
 def test_ctrl_c_prints_nothing_more_and_stops_the_server_group(tmp_path, export_factory):

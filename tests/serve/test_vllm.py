@@ -26,6 +26,9 @@ pytestmark = pytest.mark.serving
 
 PROMPTS = [[10, 20, 30], [5, 6, 7, 8, 9, 11, 12, 13, 14], list(range(40, 57)), [(7 * i) % 100 + 5 for i in range(40)]]
 MAX_TOKENS = 16
+#: Llama 3 RoPE scaling (its low frequencies rescaled, at every position).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
 STARTUP_S = 900
 
 
@@ -48,12 +51,13 @@ def _reference(export, routing: bool) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def offline(export_factory, tmp_path_factory):
-    """``(kind, method) -> (export, result)``: one vLLM engine per model, both modes."""
+    """``(kind, method, **features) -> (export, result)``: one vLLM engine per model, both modes."""
     done = {}
 
-    def run(kind: str, method: str = "wide"):
-        if (kind, method) not in done:
-            export = export_factory(kind, method=method)
+    def run(kind: str, method: str = "wide", export_format: str = "wide", **features):
+        key = (kind, method, export_format, json.dumps(features, sort_keys=True))
+        if key not in done:
+            export = export_factory(kind, export_format, method=method, **features)
             d = tmp_path_factory.mktemp(f"offline-{kind}")
             req = {"export": str(export), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "dtype": "float32",
                    "max_model_len": 128, "modes": ["routed", "all-on"], "kv_cache_gib": 1}  # fmt: skip
@@ -61,20 +65,26 @@ def offline(export_factory, tmp_path_factory):
             r = subprocess.run([_serve_python(), "-m", "wide_cli.serve.offline", str(d / "req.json"), str(d / "out.json")],
                                capture_output=True, text=True, timeout=STARTUP_S, check=False)  # fmt: skip
             assert r.returncode == 0, r.stderr[-4000:]
-            done[(kind, method)] = (export, json.loads((d / "out.json").read_text()))
-        return done[(kind, method)]
+            done[key] = (export, json.loads((d / "out.json").read_text()))
+        return done[key]
 
     return run
 
 
 @pytest.mark.parametrize(
-    ("kind", "method"),
-    [("llama", "wide"), ("mistral", "wide"), ("qwen2", "wide"), ("qwen3", "wide"), ("llama", "static-width")],
+    ("kind", "method", "features"),
+    [("llama", "wide", {}), ("mistral", "wide", {"sliding_window": 16}), ("qwen2", "wide", {}),
+     ("qwen3", "wide", {}), ("llama", "static-width", {}), ("llama", "wide", {"standin": "trained", "drop_layers": 1}),
+     ("llama", "wide", {"standin": "trained", "drop_layers": 1, "export_format": "hf"}), ("llama", "dynamic-depth", {}),
+     ("llama", "wide", {"attention_bias": True}), ("llama", "wide", {"rope_parameters": LLAMA3_ROPE})],
+    ids=["llama", "mistral-window", "qwen2", "qwen3", "static-width", "standin-hybrid", "standin-hybrid-hf",
+         "dynamic-depth", "attention-bias", "llama3-rope"],
 )
-def test_offline_greedy_tokens_equal_the_reference(offline, kind, method):
+def test_offline_greedy_tokens_equal_the_reference(offline, kind, method, features):
     """Routed tokens equal the runtime's reference backend; with every group forced on they
-    equal the runtime's dense mode (the backbone as a dense model)."""
-    export, res = offline(kind, method)
+    equal the runtime's dense mode (the backbone as a dense model). Mistral with a sliding window
+    shorter than the prompts; a hybrid export (a layer removed, then routed) with stand-ins."""
+    export, res = offline(kind, method, **features)
     assert res["path"] == "forward_cpu"
     routed, all_on = res["runs"]["routed"], res["runs"]["all-on"]
     assert routed["tokens"] == _reference(export, routing=True)
@@ -87,6 +97,36 @@ def test_offline_greedy_tokens_equal_the_reference(offline, kind, method):
         assert all_on["stats"][module]["executed"] == all_on["stats"][module]["dense"] > 0
 
 
+def test_offline_static_depth_export_is_vllms_own_model_with_the_reference_tokens(offline):
+    """A static-depth export (no routers: a plain model with fewer layers) is served by vLLM's
+    own class, and gives the reference backend's tokens."""
+    export, res = offline("llama", "static-depth")
+    assert res["runs"]["routed"]["tokens"] == _reference(export, routing=True)
+    assert res["runs"]["routed"]["stats"]["ffn"]["dense"] == 0  # no routed op ran
+
+
+def test_plugin_refuses_a_feature_its_row_lacks_when_the_model_is_built(export_factory):
+    """The plugin checks its row of the feature table itself (vLLM started without `wide serve`'s
+    preflight): int8 weights are refused naming the file and the feature."""
+    export = export_factory("llama", weight_format="int8")
+    code = (
+        "import sys\n"
+        "from transformers import AutoConfig\n"
+        "from wide_cli.features import UnsupportedFeature\n"
+        "from wide_cli.serve.vllm_models import check_served_features\n"
+        "try:\n"
+        "    check_served_features(AutoConfig.from_pretrained(sys.argv[1]), sys.argv[1])\n"
+        "except UnsupportedFeature as e:\n"
+        "    print(e)\n"
+    )
+    r = subprocess.run([_serve_python(), "-c", code, str(export)], capture_output=True, text=True, timeout=300,
+                       check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1].startswith(
+        f"{export / 'wide_config.json'}: int8 weights (wide export --weights int8) [weights_int8] is not supported "
+        "by the wide vLLM plugin (")
+
+
 # -------------------------------------------------------------------------------------- server
 
 
@@ -96,10 +136,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVED = {"standin": "trained", "drop_layers": 1}
+
+
 @pytest.fixture(scope="module")
 def server(export_factory):
-    """`wide serve` on an --format hf Qwen2 export (q/k/v bias, trust_remote_code), 127.0.0.1."""
-    export = export_factory("qwen2", "hf")
+    """`wide serve` on an --format hf Qwen2 export (q/k/v bias, trust_remote_code), a hybrid with
+    stand-ins (a layer removed, then routed), on 127.0.0.1."""
+    export = export_factory("qwen2", "hf", **SERVED)
     port = _free_port()
     env = {**os.environ, "WIDE_SERVE_PYTHON": _serve_python()}
     cmd = [sys.executable, "-m", "wide_cli", "serve", str(export), "--port", str(port), "--dtype", "float32",
@@ -164,12 +208,11 @@ def test_eight_concurrent_requests_equal_sequential_ones(server, endpoint):
     assert len({tuple(t) for t in sequential}) > 1
 
 
-def test_server_completion_equals_the_reference(server, export_factory):
+def test_server_completion_equals_the_reference(server):
     from wide_cli.runtime.engine import Runtime
 
-    url, _ = server
-    # the runtime reads --format wide exports; this one has the same seeded weights and routers
-    rt = Runtime.from_export(export_factory("qwen2"), backend="reference", dtype="fp32")
+    url, export = server
+    rt = Runtime.from_export(export, backend="reference", dtype="fp32")
     ref = rt.generate(TEXTS[:2], max_new_tokens=MAX_TOKENS, ignore_eos=True)
     assert [_completion(url, t) for t in TEXTS[:2]] == ref.tokens
 

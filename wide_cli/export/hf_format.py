@@ -282,6 +282,7 @@ def load_hf_export(path, *, dtype: torch.dtype = torch.float32, device="cpu", ve
         CheckpointError: missing/corrupt files (named), a manifest of another export, shipped
             code that differs from this wide's (without ``trust_remote_code``), missing or
             mismatched tensors, or a tokenizer that cannot be loaded.
+        UnsupportedFeature: a feature the hf modeling code does not run (``wide_cli.features``).
     """
     import warnings
 
@@ -294,6 +295,9 @@ def load_hf_export(path, *, dtype: torch.dtype = torch.float32, device="cpu", ve
     path, wcfg, tokenizer = open_export(path, verify=verify)
     if not trust_remote_code:
         refuse_shipped_code(path)
+    from wide_cli.features import check_export
+
+    check_export(path, "hf")
     from wide_cli.models.consistency import check_export_shapes
 
     check_export_shapes(path, hf_export_config(path))

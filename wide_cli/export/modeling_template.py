@@ -47,6 +47,7 @@ COPIED: tuple[tuple[str, str], ...] = (
     ("wide_cli.routing.layer", "routed_layer_forward"),
     ("wide_cli.routing.layer", "checkpointed_call"),
     ("wide_cli.routing.layer", "_routed_layer_body"),
+    ("wide_cli.features", "export_features"),
 )
 #: module-level constants the copied code reads (copied by value).
 CONSTANTS: tuple[tuple[str, str], ...] = (
@@ -67,6 +68,9 @@ Config fields read here (config.json):
     wide_layer_heads: static-width only: per layer, the original indices of the query heads kept
         (removed heads are physically gone from q_proj rows / o_proj columns; K/V stay whole).
     wide_layer_intermediate_sizes: static-width only: per layer, FFN channels kept.
+
+Export features this code runs (wide_cli.features): {features}.
+Any other feature of the export is refused when the model is built.
 """
 
 from __future__ import annotations
@@ -205,9 +209,22 @@ def _narrow_layer(layer, config, kept_heads: list[int], intermediate: int) -> No
     mlp.down_proj = nn.Linear(intermediate, D, bias=mlp.down_proj.bias is not None)
 
 
+def check_features(config) -> None:
+    """Refuse an export that uses a feature this code does not run (``SUPPORTED_FEATURES``).
+
+    Raises:
+        ValueError: naming the feature, config.json and this file.
+    """
+    bad = sorted(export_features(config.to_dict()) - set(SUPPORTED_FEATURES))
+    if bad:
+        raise ValueError(f"config.json: export feature {bad[0]!r} is not supported by this modeling_wide.py "
+                         f"(it runs {', '.join(SUPPORTED_FEATURES)})")
+
+
 def attach_wide(model, config) -> RoutingState:
     """Make the decoder layers of ``model`` routed (or narrowed, for static width); the same
     structure as ``wide_cli.routing.model.attach_routers``. Returns the model's RoutingState."""
+    check_features(config)
     wr = config.wide_routing
     cfg = SimpleNamespace(**wr["routing"])
     layout = GroupLayout(**wr["layout"])
@@ -228,7 +245,9 @@ def attach_wide(model, config) -> RoutingState:
             ("ffn", cfg.route_ffn, layout.ffn_groups),
         ):
             if on:
-                setattr(layer, f"router_{module}", Router(config.hidden_size, cfg.router_rank, groups))
+                router = Router(config.hidden_size, cfg.router_rank, groups,
+                                standin=getattr(cfg, "standin", "none") != "none")
+                setattr(layer, f"router_{module}", router)
     model.register_forward_pre_hook(_capture_valid(state), with_kwargs=True)
     return state
 
@@ -291,10 +310,14 @@ def render_modeling(model_type: str, version: str = __version__) -> str:
     """The text of ``modeling_wide.py`` for base ``model_type`` (llama, mistral, qwen2, qwen3);
     ``version`` is only the wide version the file names (the code is always this package's)."""
     prefix = _prefix(model_type)
-    fmt = {"version": version, "prefix": prefix, "mt": model_type}
+    from wide_cli.features import SUPPORT
+
+    supported = tuple(sorted(SUPPORT["hf"]))
+    fmt = {"version": version, "prefix": prefix, "mt": model_type, "features": ", ".join(supported)}
     parts = [_HEADER.format(**fmt)]
     for mod, name in CONSTANTS:
         parts.append(f"{name} = {_obj(mod, name)!r}  # from {mod}\n")
+    parts.append(f"SUPPORTED_FEATURES = {supported!r}  # from wide_cli.features.SUPPORT['hf']\n")
     for mod, name in COPIED:
         parts.append("\n\n" + _COPY_BEGIN.format(module=mod, name=name, version=version))
         parts.append(inspect.getsource(_obj(mod, name)))

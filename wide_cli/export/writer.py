@@ -51,6 +51,23 @@ def check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
             )
 
 
+def planned_features(model, wide_config: dict, export_format: str, weight_format: str = "fp32") -> frozenset:
+    """``wide_cli.features.export_features`` of the export ``export_model`` would write for
+    ``model`` (``model.wide_routing`` set, or a plain model) and ``wide_config``."""
+    from wide_cli.features import export_features
+
+    config = model.config.to_dict()
+    state = getattr(model, "wide_routing", None)
+    if export_format == "hf" and state is not None:
+        config["wide_routing"] = {"routing": state.cfg.to_dict()}
+        if state.cfg.method == "static-width":  # write_hf narrows it physically
+            config["wide_layer_heads"] = []
+    wc = {**wide_config, "export_format": export_format}
+    if weight_format == "int8":
+        wc["weight_format"] = {"format": "int8"}
+    return export_features(config, wc)
+
+
 def export_model(
     model,
     tokenizer,
@@ -76,8 +93,14 @@ def export_model(
     Raises:
         CheckpointError: a router or backbone tensor with NaN/Inf.
         ConfigError: ``out_dir`` is a file, a link or a directory that is not a wide export.
+        UnsupportedFeature: ``export_format`` ``hf`` for a model that uses a feature the hf
+            modeling code does not run (``wide_cli.features``), before anything is written.
     """
     check_export_target(out_dir)
+    if export_format == "hf":
+        from wide_cli.features import check_features
+
+        check_features(planned_features(model, wide_config, export_format, weight_format), "hf", out_dir)
     routers = router_state_dict(model)
     check_finite(routers, "router")
     backbone = backbone_state_dict(model)

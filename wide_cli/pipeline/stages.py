@@ -176,7 +176,7 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
 # ----------------------------------------------------------------------------- measure
 # ----------------------------------------------------------------------------- export
 def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: dict | None = None,
-           export_format: str = "wide", weight_format: str = "fp32"):
+           export_format: str = "wide", weight_format: str = "fp32", check_destination: bool = True):
     """Write the deployable export of the run to ``out`` (atomic), with sparsity measured on
     the held-out split; ``export_format`` is ``wide`` or ``hf``, ``weight_format`` ``fp32`` or
     ``int8`` (see ``export/writer.py``).
@@ -190,10 +190,8 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
     from wide_cli.export.writer import export_model
     from wide_cli.routing.config import resolve_groups
 
-    check_export_destination(settings, run, out)
-    if export_format == "hf" and settings.routing.standin != "none":
-        raise ConfigError(f"--format hf cannot carry the stand-ins of standin={settings.routing.standin!r}",
-                          "export with --format wide (the runtime, wide eval and wide bench apply them)")
+    if check_destination:  # off for a caller's own temporary directory (the GGUF export)
+        check_export_destination(settings, run, out)
     if settings.routing.method == "static-depth":
         from wide_cli.pipeline import static_depth
 
@@ -273,6 +271,57 @@ def check_export_destination(settings: Settings, run: RunDir, out: Path) -> None
         ("the model source", spec if spec.exists() else None),
         ("the model source's local copy", Path(local) if local and local != "None" else None),
     ], inside=(run.root, run.default_export))
+
+
+#: ``wide export --format gguf``: the GGUF tensor type for each ``--weights`` value.
+GGUF_TYPE_OF_WEIGHTS = {"fp32": "F16", "int8": "Q8_0"}
+
+
+def export_gguf(settings: Settings, run: RunDir, out: Path, *, weight_format: str = "fp32", loaded=None) -> Path:
+    """Write the run's model as one llama.cpp GGUF file at ``out`` (atomic: temp file + rename),
+    for runs whose export has no routers (static depth): F16 matrices, or Q8_0 with
+    ``weight_format`` ``int8`` (``GGUF_TYPE_OF_WEIGHTS``). The run's ``--format wide`` export is
+    written to a temp directory beside ``out`` first and converted by ``runtime/gguf_writer.py``.
+
+    Raises:
+        UnsupportedFeature: a feature llama.cpp does not run (``wide_cli.features``, row
+            ``gguf``): routers (checked before anything is loaded), biases, q/k norms, scaled
+            RoPE, sliding windows (checked on the written export, before the GGUF).
+        ConfigError: ``out`` is not a ``*.gguf`` path, or is something else than a GGUF file.
+    """
+    import os
+    import shutil
+    import tempfile
+
+    from wide_cli.features import check_features, export_features, read_export_features
+    from wide_cli.runtime.gguf_writer import write_gguf
+
+    out = Path(out)
+    label = f"run {run.root}"
+    check_features(export_features({}, {"method": settings.routing.method, "routing": settings.routing.to_dict()}),
+                   "gguf", label=label)
+    if out.suffix != ".gguf":
+        raise ConfigError(f"--out {out}: a GGUF export is one file named *.gguf", f"e.g. --out {out.with_suffix('.gguf')}")
+    if out.exists() and not (out.is_file() and not out.is_symlink() and _magic(out) == b"GGUF"):
+        raise ConfigError(f"--out {out} exists and is not a GGUF file", "choose another --out (wide replaces only a GGUF file)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        export(settings, run, tmp / "export", loaded=loaded, check_destination=False)
+        check_features(read_export_features(tmp / "export"), "gguf", label=label)
+        write_gguf(tmp / "export", tmp / out.name, GGUF_TYPE_OF_WEIGHTS[weight_format])
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp / out.name, 0o666 & ~umask)
+        os.replace(tmp / out.name, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _magic(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4)
 
 
 def shareable(value: str | None) -> str | None:

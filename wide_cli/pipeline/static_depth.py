@@ -275,16 +275,19 @@ def export(settings, run, out: Path, *, loaded, export_format: str = "wide"):
     """Write the plain smaller checkpoint: fewer layers, a normal ``config.json`` (no routers,
     no remote code), ``wide_config.json`` recording the removed layers and their Block Influence.
 
+    ``export_format`` ``wide`` and ``hf`` write the same files: the checkpoint already loads in
+    plain transformers (``AutoModelForCausalLM``, no ``trust_remote_code``), which is what an hf
+    export is for; it is recorded as a ``wide`` export (base ``config.json``, no modeling code).
+
     Raises:
-        ConfigError: ``--format hf`` (the export already is a plain transformers checkpoint).
+        ConfigError: an unknown ``export_format``.
     """
     import json
 
-    from wide_cli.export.writer import export_model
+    from wide_cli.export.writer import EXPORT_FORMATS, export_model
 
-    if export_format != "wide":
-        raise ConfigError(f"--format {export_format} does not apply to static-depth",
-                          "a static-depth export is already a plain transformers checkpoint; omit --format")
+    if export_format not in EXPORT_FORMATS:
+        raise ConfigError(f"--format {export_format!r} unknown", f"choose one of {', '.join(EXPORT_FORMATS)}")
     model, sel, healed = pruned_model_from_run(settings, run, loaded=loaded)
     train_info = {}
     p = run.stage2 / RESULT_JSON

@@ -298,7 +298,13 @@ class NativeDecoder:
 
     @staticmethod
     def ineligible(rt) -> str | None:
-        """Why ``rt`` cannot use the native step (None when it can)."""
+        """Why ``rt`` cannot use the native step (None when it can): among others an export
+        feature the step does not run (``wide_cli.features``, row ``native``)."""
+        from wide_cli.features import unsupported
+
+        bad = unsupported(getattr(rt, "export_features", None) or (), "native")
+        if bad:
+            return f"the export uses {bad[0]}, which the native step does not run"
         be = rt.backend
         if getattr(be, "name", None) != "cpu" or rt.device.type != "cpu":
             return "not the cpu backend"

@@ -174,6 +174,9 @@ class Runtime:
         # The native batch-1 decode step is used where it can run (``_native_for``); False keeps
         # every step on the PyTorch path (the oracle in tests, ``wide bench``'s torch rows).
         self.native_decode = getattr(self.backend, "name", None) == "cpu"
+        #: the export's features (``wide_cli.features``) when loaded from an export, else None;
+        #: the native step refuses those it does not run (``NativeDecoder.ineligible``)
+        self.export_features = weights.extra.get("export_features")
         self._native = None
         self.layer_shapes = [(lw.num_heads, lw.num_kv_heads, lw.head_dim, lw.intermediate_size) for lw in weights.layers]
 
@@ -195,10 +198,17 @@ class Runtime:
                 shapes that do not fit together, an untied model without ``lm_head.weight``,
                 a quantized weight without its scale tensor (or with a mismatched one).
             ConfigError: an unknown weight format, int8 for widths the kernel cannot take.
+            UnsupportedFeature: an export feature the backend does not run (``wide_cli.features``),
+                before the weights are read.
         """
+        from wide_cli.features import SUPPORT, check_export
         from wide_cli.models.loader import load_tokenizer
 
+        name = backend if isinstance(backend, str) else getattr(backend, "name", None)
+        features = check_export(Path(path), name) if name in SUPPORT else None
         weights = weights_from_export(Path(path), verify=verify, allow_extra=allow_extra)
+        if features is not None:
+            weights.extra["export_features"] = features
         tok = load_tokenizer(path)
         return cls(weights, backend, dtype=dtype, tokenizer=tok, routing=routing, weight_format=weight_format)
 

@@ -47,7 +47,9 @@ class ServePlan:
     Attributes:
         path: the export directory.
         export_format: ``wide`` or ``hf``.
-        architecture: the plugin class name (``WideLlamaForCausalLM`` ...).
+        architecture: the plugin class name (``WideLlamaForCausalLM`` ...), or for an export
+            without routed layers (static depth) the base class vLLM serves itself
+            (``LlamaForCausalLM`` ...), with no overrides.
         overrides: ``--hf-overrides`` for vLLM (``{}`` for an hf export in ``routed`` mode).
         trust_remote_code: True for hf exports (their ``model_type`` is ``wide_<base>``).
         method: the routing method of the export.
@@ -59,6 +61,11 @@ class ServePlan:
     overrides: dict
     trust_remote_code: bool
     method: str
+
+
+#: export features (``wide_cli.features``) that need the plugin's routed layers; an export with
+#: none of them is a plain model.
+ROUTED_FEATURES = frozenset({"routers", "static_width_keep", "static_width_compact"})
 
 
 def _read_json(p: Path, what: str) -> dict:
@@ -79,8 +86,10 @@ def serve_plan(export, *, mode: str = "routed") -> ServePlan:
 
     Raises:
         CheckpointError: not a directory, or no ``wide_config.json`` / ``config.json``.
-        ModelSourceError: an architecture the plugin does not serve, or a physically narrowed
-            static-width hf export (per-layer widths; serve its ``--format wide`` export).
+        ModelSourceError: an architecture the plugin does not serve.
+        UnsupportedFeature: an export feature the plugin does not run (``wide_cli.features``, row
+            ``vllm``: e.g. int8 weights, a physically narrowed static-width hf export), naming
+            the feature and the file.
         ConfigError: an unknown ``mode``.
     """
     if mode not in SERVE_MODES:
@@ -101,13 +110,16 @@ def serve_plan(export, *, mode: str = "routed") -> ServePlan:
             f"{path}: architecture {name!r} is not served by the wide vLLM plugin",
             f"supported: {', '.join(a.removeprefix('Wide') for a in SERVED_ARCHITECTURES.values())}",
         )
-    if export_format == "hf" and "wide_layer_heads" in cfg:
-        raise ModelSourceError(
-            f"{path} is a static-width --format hf export with per-layer widths, which the vLLM plugin does not serve",
-            "serve the run's `wide export --format wide` export instead",
-        )
+    from wide_cli.features import check_export
+
+    feats = check_export(path, "vllm")  # what the plugin cannot run is refused here, not inside the engine
     method = info.method
     overrides: dict = {}
+    if export_format == "wide" and not feats & ROUTED_FEATURES:
+        # static depth (or layers removed with routing off): a plain smaller model of the base
+        # architecture, served by vLLM's own class (its prepacked kernels), no plugin involved
+        return ServePlan(path, export_format, (cfg.get("architectures") or [arch.removeprefix("Wide")])[0], {},
+                         False, method)
     if export_format == "hf":
         if mode != "routed":
             overrides = {"wide_routing": {**cfg["wide_routing"], "serve_mode": mode}}

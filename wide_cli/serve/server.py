@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -125,48 +126,126 @@ def _healthy(base: str) -> bool:
         return False
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     """SIGTERM to the server's process group (vLLM's server and engine shut down gracefully on
     it, and unlike SIGINT it is not ignored by processes started in the background), SIGKILL
-    after ``grace_s``; returns when the server is gone."""
-    if proc.poll() is not None:
-        return
+    after ``grace_s``; returns when every process of the group is gone. The group is signalled
+    even when the server itself has already exited: an engine process it started may still run."""
+    pgid = proc.pid  # start_new_session: the server leads its own group
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
+        proc.poll()
         return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the server so that a dead one does not keep the group alive
+        if not _group_alive(pgid):
+            return
+        time.sleep(0.1)
     try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+#: the final line of a traceback: ``ValueError: ...``, ``vllm.x.SomeError: ...`` (after vLLM's
+#: ``(EngineCore pid=N)`` or logging prefixes).
+_EXCEPTION_LINE = re.compile(r"(?:^|[\s)\]])((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit)): (\S.*)$")
+#: lines that only point elsewhere ("see root cause above"): never the cause to report.
+_POINTERS = ("see root cause above", "see above", "see the log", "failed core proc")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: a line vLLM logs at ERROR level: ``ERROR 01-01 00:00:00 [file.py:12] message`` -> the message.
+_LOGGED_ERROR = re.compile(r"(?:^|\s)ERROR\s+(?:[\d-]+\s+[\d:.]+\s+)?(?:\[[^\]]*\]\s+)?(\S.*)$")
+
+
+def last_error_line(lines) -> str | None:
+    """The engine's own error among the last lines of the server's output: the last
+    ``SomeError: message`` line that is not a pointer to another line, else the last line
+    logged at ``ERROR`` level, else None."""
+    found = logged = None
+    for raw in lines:
+        line = _ANSI.sub("", raw).rstrip()
+        m = _EXCEPTION_LINE.search(line)
+        if m and not any(p in line.lower() for p in _POINTERS):
+            found = f"{m.group(1)}: {m.group(2)}"
+        elif (e := _LOGGED_ERROR.search(line)) and not any(p in line.lower() for p in _POINTERS):
+            logged = e.group(1)
+    return found or logged
+
+
+class OutputTail:
+    """Copies a process's output to ``log`` line by line (a thread) and keeps the last ``n`` lines."""
+
+    def __init__(self, stream, log, n: int = 400):
+        import collections
+        import threading
+
+        self.lines: collections.deque[str] = collections.deque(maxlen=n)
+        self._stream, self._log = stream, log
+        self._thread = threading.Thread(target=self._copy, daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        for line in iter(self._stream.readline, ""):
+            self.lines.append(line)
+            try:
+                self._log.write(line)
+                self._log.flush()
+            except (OSError, ValueError):  # the log was closed: keep draining the pipe
+                pass
+
+    def error_line(self, wait_s: float = 5.0) -> str | None:
+        """``last_error_line`` of what was read, after waiting up to ``wait_s`` for the rest."""
+        self._thread.join(timeout=wait_s)
+        return last_error_line(list(self.lines))
+
+
+def _exit_error(what: str, tail: OutputTail) -> ServerError:
+    cause = tail.error_line()
+    return ServerError(f"{what}: {cause}" if cause else what, "the server's full log is above")
 
 
 def start(cmd: list[str], env: dict[str, str], base_url: str, *, startup_timeout_s: float = 900.0,
-          log=sys.stderr) -> subprocess.Popen:
-    """Start the server and wait until ``/health`` answers.
+          log=sys.stderr) -> tuple[subprocess.Popen, OutputTail]:
+    """Start the server (its output copied to ``log``) and wait until ``/health`` answers.
+
+    Returns:
+        ``(process, tail)``: ``tail`` keeps the server's last output lines.
 
     Raises:
-        ServerError: the server exited during start-up or was not healthy after
-            ``startup_timeout_s`` (it is stopped first).
+        ServerError: the server exited during start-up (naming the engine's own last error
+            line) or was not healthy after ``startup_timeout_s``; its process group is stopped first.
     """
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True, text=True, errors="replace")  # fmt: skip
+    tail = OutputTail(proc.stdout, log)
     t0 = time.monotonic()
     try:
         while not _healthy(base_url):
             rc = proc.poll()
             if rc is not None:
-                raise ServerError(f"the vLLM server exited during start-up (exit code {rc})", "its log is above")
+                stop(proc)
+                raise _exit_error(f"the vLLM server exited during start-up (exit code {rc})", tail)
             if time.monotonic() - t0 > startup_timeout_s:
-                raise ServerError(f"the vLLM server was not ready after {startup_timeout_s:.0f} s", "its log is above")
+                raise ServerError(f"the vLLM server was not ready after {startup_timeout_s:.0f} s",
+                                  "the server's full log is above")
             time.sleep(1.0)
     except BaseException:
         stop(proc)
         raise
-    return proc
+    return proc, tail
 
 
 def _raise_interrupt(signum, frame):
@@ -178,17 +257,22 @@ def run_server(cmd: list[str], env: dict[str, str], base_url: str, *, on_ready, 
     """Start the server, call ``on_ready()`` once it is healthy, and wait for it.
 
     Ctrl-C or SIGTERM (during start-up too) stops the whole server and returns 130; a server
-    that ends by itself returns its exit code. Whatever happens, nothing is left running.
+    that ends by itself with exit code 0 returns 0. Whatever happens, nothing is left running.
 
     Raises:
-        ServerError: from ``start``.
+        ServerError: from ``start``, or the server died after start-up (naming the engine's own
+            last error line).
     """
     old = signal.signal(signal.SIGTERM, _raise_interrupt)
     proc = None
     try:
-        proc = start(cmd, env, base_url, startup_timeout_s=startup_timeout_s, log=log)
+        proc, tail = start(cmd, env, base_url, startup_timeout_s=startup_timeout_s, log=log)
         on_ready()
-        return proc.wait()
+        rc = proc.wait()
+        if rc:
+            stop(proc)
+            raise _exit_error(f"the vLLM server exited (exit code {rc})", tail)
+        return rc
     except KeyboardInterrupt:
         return 130
     finally:

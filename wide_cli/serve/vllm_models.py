@@ -28,7 +28,12 @@ Each op has the three paths of a vLLM ``CustomOp``:
 
 Routing decisions: the router ``Linear(D, r) -> Linear(r, 2G)`` (fp32) is folded at load into
 ``x @ w.T + b = logit0 - logit1`` exactly as ``wide generate`` does (``runtime.layer_meta.fold_router``);
-a group executes iff that is ``>= 0``. Static-width exports use their ``keep`` masks.
+a group executes iff that is ``>= 0``. Static-width exports use their ``keep`` masks. With
+stand-ins (``routing.standin``) each skipped group adds its stand-in vector to the module output.
+Hybrid exports (layers removed, then width routed) and static-depth exports are smaller models
+whose ``config.json`` says so; nothing else is needed for them. The export features this plugin
+runs are its row of ``wide_cli.features.SUPPORT``; a model that uses another one is refused when
+it is built (``check_served_features``), and before that by ``wide serve``.
 
 Tensor parallel: vLLM gives each rank ``H / tp`` query heads and ``F / tp`` FFN channels; a rank
 routes the groups it holds (the router computes all groups, each rank takes its slice) and the
@@ -271,15 +276,20 @@ class WideRoutedOut(CustomOp):
 
 class WideRouter(nn.Module):
     """One layer's router for one module, named like the export
-    (``router_{attention,ffn}.{compressor,router}.{weight,bias}``, or ``keep`` for static width).
+    (``router_{attention,ffn}.{compressor,router}.{weight,bias}`` and ``standin``, or ``keep`` for
+    static width).
 
     ``forward(x [M, D]) -> [M, G_local]`` bool (True = execute) for this rank's groups
     ``[lo, hi)``. The buffer ``force_on`` (a bool scalar, set from ``mode == "all-on"`` and by
     ``set_all_on``) makes every group execute; it is a tensor so that flipping it also changes
     an already compiled graph. The routers are evaluated either way.
+
+    With ``standin`` (``routing.standin`` ``mean`` / ``trained``) the parameter ``standin``
+    ``[G, D]`` fp32 holds what each skipped group adds to the module output (``add_standin``).
     """
 
-    def __init__(self, hidden_size: int, rank: int, groups: int, lo: int, hi: int, *, static: bool, mode: str):
+    def __init__(self, hidden_size: int, rank: int, groups: int, lo: int, hi: int, *, static: bool, mode: str,
+                 standin: bool = False):
         super().__init__()
         self.groups, self.lo, self.hi, self.static, self.mode = groups, lo, hi, static, mode
         if static:
@@ -287,6 +297,8 @@ class WideRouter(nn.Module):
         else:
             self.compressor = nn.Linear(hidden_size, rank, dtype=torch.float32)
             self.router = nn.Linear(rank, 2 * groups, dtype=torch.float32)
+            if standin:
+                self.standin = nn.Parameter(torch.zeros(groups, hidden_size, dtype=torch.float32), requires_grad=False)
         self.register_buffer("fold_w", torch.zeros(hi - lo, hidden_size, dtype=torch.float32), persistent=False)
         self.register_buffer("fold_b", torch.zeros(hi - lo, dtype=torch.float32), persistent=False)
         self.register_buffer("force_on", torch.tensor(mode == "all-on"), persistent=False)
@@ -309,6 +321,15 @@ class WideRouter(nn.Module):
             ex = F.linear(x.float(), self.fold_w, self.fold_b) >= 0
         return ex | self.force_on
 
+    def add_standin(self, out: torch.Tensor, ex: torch.Tensor) -> torch.Tensor:
+        """``out [M, D] + (~ex) @ standin[lo:hi]`` (fp32 product, as ``routing.router.apply_standin``),
+        or ``out`` without stand-ins. Under tensor parallel each rank adds its own groups' share
+        to its partial sum, before the all-reduce."""
+        standin = getattr(self, "standin", None)
+        if standin is None:
+            return out
+        return out + ((~ex).to(torch.float32) @ standin[self.lo : self.hi]).to(out.dtype)
+
 
 # ---------------------------------------------------------------------------------------------
 # the routed decoder layer
@@ -325,7 +346,7 @@ def _routed_attention(layer, positions: torch.Tensor, h: torch.Tensor, mask: tor
         k = attn.k_norm(k.view(T, -1, attn.head_dim)).view(k.shape)
     q, k = attn.rotary_emb(positions, q, k)
     o = attn.attn(q, k, v)
-    out = layer.wide_out(o, mask)
+    out = layer.router_attention.add_standin(layer.wide_out(o, mask), mask)
     if layer.wide_tp > 1:
         out = tensor_model_parallel_all_reduce(out)
     if attn.o_proj.bias is not None:
@@ -350,7 +371,8 @@ def _routed_layer_forward(self, positions, hidden_states, residual, *args, **kwa
         hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
     hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
     if self.router_ffn is not None:
-        hidden_states = self.wide_ffn(hidden_states, self.router_ffn(residual))
+        ex = self.router_ffn(residual)
+        hidden_states = self.router_ffn.add_standin(self.wide_ffn(hidden_states, ex), ex)
         if self.wide_tp > 1:
             hidden_states = tensor_model_parallel_all_reduce(hidden_states)
     else:
@@ -386,10 +408,32 @@ def routing_settings(config) -> tuple[dict, dict, str]:
     return wr["routing"], wr["layout"], mode
 
 
+def check_served_features(config, model_dir) -> frozenset:
+    """Refuse an export that uses a feature this plugin does not run (``wide_cli.features``, row
+    ``vllm``; ``wide serve`` checks the same before it starts vLLM). ``config``: the model's
+    Hugging Face config as vLLM holds it (overrides applied); ``model_dir``: the export directory
+    (its ``wide_config.json`` is read when there is one).
+
+    Raises:
+        UnsupportedFeature: naming the feature, the file and the plugin.
+    """
+    import json
+
+    from wide_cli.artifacts import WIDE_CONFIG
+    from wide_cli.features import check_features, export_features
+
+    p = Path(model_dir) / WIDE_CONFIG
+    wide_config = json.loads(p.read_text()) if p.is_file() else None
+    feats = export_features(config.to_dict(), wide_config)
+    check_features(feats, "vllm", model_dir)
+    return feats
+
+
 def _attach_routing(model: nn.Module, vllm_config) -> None:
     """Turn the decoder layers of a constructed vLLM model into routed layers."""
     config = model.config
     routing, layout, mode = routing_settings(config)
+    check_served_features(config, vllm_config.model_config.model)
     method = routing.get("method", "wide")
     if getattr(model.model.layers[model.model.start_layer].self_attn, "do_llama_4_scaling", False):
         raise ValueError("Llama-4 attention scaling is not supported by the wide plugin")
@@ -407,6 +451,7 @@ def _attach_routing(model: nn.Module, vllm_config) -> None:
     r = int(routing.get("router_rank", 32))
     static = method == "static-width"
     routed = method != "dense"
+    standin = not static and routing.get("standin") not in (None, "none")
     head_dim = None
     for layer in model.model.layers[model.model.start_layer : model.model.end_layer]:
         layer.__class__ = _routed_layer_class(layer.__class__)
@@ -416,11 +461,13 @@ def _attach_routing(model: nn.Module, vllm_config) -> None:
         use_a = routed and routing.get("route_attention", True)
         use_f = routed and routing.get("route_ffn", True)
         layer.router_attention = (
-            WideRouter(D, r, Ga, rank * Ga // tp, (rank + 1) * Ga // tp, static=static, mode=mode) if use_a else None
-        )
+            WideRouter(D, r, Ga, rank * Ga // tp, (rank + 1) * Ga // tp, static=static, mode=mode, standin=standin)
+            if use_a else None
+        )  # fmt: skip
         layer.router_ffn = (
-            WideRouter(D, r, Gf, rank * Gf // tp, (rank + 1) * Gf // tp, static=static, mode=mode) if use_f else None
-        )
+            WideRouter(D, r, Gf, rank * Gf // tp, (rank + 1) * Gf // tp, static=static, mode=mode, standin=standin)
+            if use_f else None
+        )  # fmt: skip
         layer.wide_out = WideRoutedOut(layer.self_attn.o_proj, ags * layer.self_attn.head_dim) if use_a else None
         layer.wide_ffn = WideRoutedFFN(layer.mlp, fgs) if use_f else None
     register_ops()

@@ -177,12 +177,13 @@ def export_cmd(
     out: options.OutOpt = None,
     export_format: Annotated[str, typer.Option(
         "--format", help="wide (default: base config + routers.safetensors, for wide's loaders) | "
-        "hf (loads in plain transformers with trust_remote_code; static width physically smaller).")] = "wide",
+        "hf (loads in plain transformers with trust_remote_code; static width physically smaller) | "
+        "gguf (one *.gguf file for llama.cpp / Ollama; exports without routers: static depth).")] = "wide",
     lora: Annotated[bool | None, typer.Option(
         "--lora/--no-lora", help="Merge the run's stage-2 LoRA (default: when `wide train --stage 2` ran).")] = None,
     weights: Annotated[str, typer.Option(
         "--weights", help="fp32 (default) | int8: store int8 projections with their scales for the runtime "
-        "(`wide generate` / `wide bench`; --format wide only).")] = "fp32",
+        "(`wide generate` / `wide bench`; --format wide), or Q8_0 matrices with --format gguf (F16 otherwise).")] = "fp32",
     threads: options.ThreadsOpt = None,
     json_out: options.JsonOpt = False,
 ):
@@ -194,13 +195,14 @@ def export_cmd(
     from wide_cli.pipeline import stages
     from wide_cli.pipeline.rundir import run_lock
 
-    if export_format not in EXPORT_FORMATS:
-        raise ConfigError(f"--format {export_format!r} unknown", f"choose one of {', '.join(EXPORT_FORMATS)}")
+    formats = (*EXPORT_FORMATS, "gguf")
+    if export_format not in formats:
+        raise ConfigError(f"--format {export_format!r} unknown", f"choose one of {', '.join(formats)}")
     if weights not in ("fp32", "int8"):
         raise ConfigError(f"--weights {weights!r} unknown for an export", "choose fp32 or int8")
-    if weights == "int8" and export_format != "wide":
-        raise ConfigError("--weights int8 is stored only in --format wide exports (for wide's runtime)",
-                          "drop --format hf, or export fp32 weights")
+    if weights == "int8" and export_format == "hf":
+        raise ConfigError("--weights int8 is stored only in --format wide exports (for wide's runtime) and as Q8_0 "
+                          "in --format gguf", "drop --format hf, or export fp32 weights")
     run, settings = _settings_for_run(run_dir, None, {"lora": lora})
     if lora and not (run.stage2 / ADAPTER_FILE).is_file():
         raise ConfigError(f"--lora: {run.stage2} holds no trained adapter",
@@ -209,6 +211,15 @@ def export_cmd(
     from wide_cli.cli.threads import apply_threads
 
     apply_threads(threads)
+    if export_format == "gguf":
+        dest = out or run.default_export.with_suffix(".gguf")
+        with run_lock(run):
+            path = stages.export_gguf(settings, run, dest, weight_format=weights)
+        size = path.stat().st_size
+        render.log(f"exported {path} ({size / 1e6:.1f} MB, {stages.GGUF_TYPE_OF_WEIGHTS[weights]}) for llama.cpp")
+        if json_out:
+            render.emit_json({"export_file": str(path), "bytes": size, "gguf_type": stages.GGUF_TYPE_OF_WEIGHTS[weights]})
+        return
     dest = out or run.default_export
     with run_lock(run):
         res = stages.export(settings, run, dest, export_format=export_format, weight_format=weights)
