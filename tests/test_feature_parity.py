@@ -12,7 +12,8 @@ declares the feature, the feature and the implementation. The oracle of an expor
 backend refuses (mlp biases, length-dependent RoPE) is the in-memory model's training layer.
 
 What is compared, on a 9-token prompt and 8 greedy tokens (EOS ignored):
-- greedy tokens: equal;
+- greedy tokens: equal (int8: up to the first near-tie of the reference's logits, see
+  ``_until_near_tie``: the native step also rounds activations to int8);
 - routing decisions: per layer and module, the number of skipped (token, group) decisions over
   the prompt and the reference's tokens: equal (the hf modeling code's static width is physically
   narrowed and makes none: not compared there);
@@ -229,11 +230,23 @@ def test_implementation_runs_the_export_like_the_reference_or_refuses_it(exports
     low = "weights_int8" in feats
     atol = REL_ATOL * float(ref.logits.abs().max()) if low else FP32_ATOL
     torch.testing.assert_close(got.logits, ref.logits, atol=atol, rtol=0)
-    assert got.tokens == ref.tokens
+    n = _until_near_tie(ref.logits, atol if low else 0.0)
+    assert got.tokens[:n] == ref.tokens[:n]
     if got.skipped is not None or "static_width_compact" not in feats:
         assert got.skipped is not None and torch.equal(got.skipped, ref.skipped), (got.skipped, ref.skipped)
     routed = {"routers", "static_width_keep", "static_width_compact"} & feats
     assert (float(ref.skipped.sum()) > 0) == bool(routed)  # the routed exports really skip groups
+
+
+def _until_near_tie(logits: torch.Tensor, atol: float) -> int:
+    """How many greedy steps must agree: all of them, or (``atol`` > 0) those before the first
+    step whose reference top-2 logits are within ``2 atol`` (where rounding within the tolerance
+    may pick the other token, and the continuations part)."""
+    if atol <= 0:
+        return logits.shape[0]
+    top = logits.topk(2, dim=-1).values
+    near = ((top[:, 0] - top[:, 1]) < 2 * atol).nonzero()
+    return int(near[0]) if near.numel() else logits.shape[0]
 
 
 def _expected(name: str, *, hf: bool) -> set:
