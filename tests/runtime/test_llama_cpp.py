@@ -77,3 +77,20 @@ def test_llama_cpp_greedy_tokens_match_transformers(gtype, routed_model, write_e
         assert got[:4] == want[:4]
     else:  # 4-bit weights on a random tiny model: the first token must agree
         assert got[:1] == want[:1]
+
+
+def test_bench_has_a_row_per_llama_cpp_type(tiny_export, tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the optional `llama` extra) is not installed")
+    import json
+
+    from wide_cli.cli.app import main
+
+    out = tmp_path / "b.json"
+    assert main(["bench", str(tiny_export), "--systems", "dense,llama.cpp", "--weights", "int8", "--llama-cpp-types", "F16,Q8_0,Q4_0",
+                 "--prefill-lengths", "8", "--decode-batches", "1", "--new-tokens", "2", "--decode-prompt-len", "4",
+                 "--repeats", "1", "--warmup", "0", "--json-out", str(out)]) == 0  # fmt: skip
+    rows = {(r["system"], r["phase"]): r for r in json.loads(out.read_text())["results"]}
+    for t in ("F16", "Q8_0", "Q4_0"):
+        for phase in ("prefill", "decode"):
+            r = rows[(f"llama.cpp {t}", phase)]
+            assert r["tokens_per_s"] > 0 and r["speedup_vs_dense"] is not None  # against the runtime's dense int8

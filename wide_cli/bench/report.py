@@ -123,7 +123,7 @@ def fill_speedups(entries: list[BenchEntry]) -> None:
     for group in by_shape.values():
         for e in group.values():
             hf = group.get(("hf", e.weights)) or group.get(("hf", "fp32"))
-            dense_fmt = {"F16": "int8", "Q8_0": "int8"}.get(e.weights, e.weights)
+            dense_fmt = "int8" if e.kind == "llama.cpp" else e.weights  # llama.cpp rows: against dense int8
             # the PyTorch-step rows are compared with the PyTorch dense step
             dense = group.get(("dense-torch" if e.kind.endswith("-torch") else "dense", dense_fmt))
             if hf is not None:

@@ -16,6 +16,7 @@ from wide_cli.bench.systems import HFSystem, LlamaCppSystem, RuntimeSystem
 from wide_cli.bench.workload import prompt_batch, text_token_stream
 from wide_cli.errors import ConfigError
 from wide_cli.runtime.cpu_proj import prefill_path
+from wide_cli.runtime.gguf_writer import BYTES_PER_WEIGHT
 
 
 def _label(kind: str, fmt: str, formats) -> str:
@@ -171,7 +172,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                     if skips and sp_short:
                         ideal = (dcost.speedup_bound(sp_short) if phase == "decode"
                                  else flops_cost(weights, (L + 1) / 2).speedup_bound(sp_short))  # fmt: skip
-                    itemsize = {"fp32": 4, "bf16": 2, "int8": 1, "F16": 2, "Q8_0": 34 / 32}[fmt]
+                    itemsize = {"fp32": 4, "bf16": 2, "int8": 1, **BYTES_PER_WEIGHT}[fmt]
                     wb = sum(weight_bytes(weights, itemsize).values())
                     entries.append(BenchEntry(
                         system=label, kind=kind, weights=fmt, threads=threads, phase=phase, batch=B, prompt_len=L,

@@ -29,6 +29,8 @@ from wide_cli.filenames import TOKENIZER_JSON, WEIGHTS_FILE
 GGUF_TYPES = ("F16", "Q8_0", "Q4_0")
 # llama.cpp block formats: 32 weights per block, one f16 scale (Q4_0: 4-bit, offset 8)
 _BLOCKED = ("Q8_0", "Q4_0")
+# Bytes per matrix weight of each type (a block's scale included).
+BYTES_PER_WEIGHT = {"F16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
 
 
 def _permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
