@@ -48,8 +48,9 @@ class HFSystem:
 class RuntimeSystem:
     """The runtime on one backend and weight format, routed or not. ``executed`` holds the
     multiply-adds of its last timed run: ``(weights + attention + LM head, routers)``; ``path``
-    which code ran its timed steps: ``native`` (the cpu backend's C decode step or prefill GEMM,
-    ``runtime/cpu_native.py``) or ``torch``.
+    which code ran its timed steps: ``native`` (the cpu backend's C library,
+    ``runtime/cpu_native.py``: the batch-1 decode step, or the GEMM under the projections of
+    prefill and batches) or ``torch``.
 
     Args:
         native: allow the native batch-1 decode step (False measures the PyTorch step).
@@ -97,7 +98,10 @@ class RuntimeSystem:
             logits = self.rt.step(logits.argmax(-1, keepdim=True), None, cache)
         t = time.perf_counter() - t
         self._counted()
-        self.path = "native" if self.rt.native_decode and self.rt._native_for(cache) is not None else "torch"
+        if self.rt.native_decode and self.rt._native_for(cache) is not None:
+            self.path = "native"  # the batch-1 decode step
+        else:  # batches: the PyTorch step, its projections on the native GEMM where that is chosen
+            self.path = prefill_path(self.rt.dtype) if getattr(self.rt.backend, "name", None) == "cpu" else "torch"
         return t
 
 
