@@ -19,10 +19,13 @@
  * blocked form too). int8 has one fp32 scale per row and block of 32 reduction channels
  * (wide_cli/quant.py), its bytes pair-interleaved (I8_LAYOUT): y[n] = sum_b s[n, b] sum_{k in b}
  * q[n, k] x[k]; where the CPU has AVX512-VNNI, x is itself rounded to int8 per block of 32 (Vec) and
- * the products are int8 x int8, as llama.cpp's Q8_0 does; without VNNI x stays fp32.
+ * the products are int8 x int8, as llama.cpp's Q8_0 does (AVX2: vpmaddubsw); without either,
+ * x stays fp32.
  *
+ * State: every entry point takes a context (WCtx, from wide_ctx_new) holding the thread pool and
+ * the prepared-vector buffers; the file keeps no other mutable state than a fork counter.
  * Threads: a step may split every projection's rows (and the attention heads) between the calling
- * thread and nthreads - 1 workers of this library's own pool (not OpenMP: a second OpenMP runtime
+ * thread and nthreads - 1 workers of the context's pool (not OpenMP: a second OpenMP runtime
  * beside PyTorch's would spin against it on a small machine). Workers spin briefly, then sleep.
  *
  * Built by wide_cli/runtime/cpu_native.py with the system C compiler (-O3 -march=native); the
@@ -50,7 +53,7 @@
 #define WIDE_AVX2 1 /* 8-lane twins of the AVX-512 kernels (int8 with fp32 activations, bf16 widened) */
 #endif
 
-#define WIDE_DECODE_ABI 5
+#define WIDE_DECODE_ABI 6
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2 };
 /* The step's counters (cnt[]): executed weight, attention and router multiply-adds, weight bytes
@@ -324,26 +327,29 @@ typedef struct {
     const uint16_t *xb;
 } Vec;
 
-static int8_t *g_qa;
-static float *g_qs;
-static uint16_t *g_xb;
-static int64_t g_vec_cap;
+/* The buffers prepare_vec writes (one context's; see WCtx). */
+typedef struct {
+    int8_t *qa;
+    float *qs;
+    uint16_t *xb;
+    int64_t cap;
+} VecBuf;
 
-static int vec_reserve(int64_t K) {
-    if (K <= g_vec_cap) return 0;
-    free(g_qa); free(g_qs); free(g_xb);
-    g_qa = aligned_alloc(64, (size_t)((K + 63) / 64 * 64));
-    g_qs = malloc((size_t)(K / QBLOCK + 1) * sizeof(float));
-    g_xb = malloc((size_t)K * sizeof(uint16_t));
-    if (!g_qa || !g_qs || !g_xb) { g_vec_cap = 0; return -1; }
-    g_vec_cap = K;
+static int vec_reserve(VecBuf *b, int64_t K) {
+    if (K <= b->cap) return 0;
+    free(b->qa); free(b->qs); free(b->xb);
+    b->qa = aligned_alloc(64, (size_t)((K + 63) / 64 * 64));
+    b->qs = malloc((size_t)(K / QBLOCK + 1) * sizeof(float));
+    b->xb = malloc((size_t)K * sizeof(uint16_t));
+    if (!b->qa || !b->qs || !b->xb) { b->cap = 0; return -1; }
+    b->cap = K;
     return 0;
 }
 
-static Vec prepare_vec(int64_t fmt, const float *x, int64_t K) {
+static Vec prepare_vec(VecBuf *vb, int64_t fmt, const float *x, int64_t K) {
     Vec v = {x, K, NULL, NULL, NULL};
 #ifdef WIDE_VNNI
-    if (fmt == FMT_I8 && K % QBLOCK == 0 && K <= g_vec_cap) {
+    if (fmt == FMT_I8 && K % QBLOCK == 0 && K <= vb->cap) {
         const __m512 lim = _mm512_set1_ps(127.f);
         for (int64_t b = 0; b < K / QBLOCK; b++) {
             const __m512 x0 = _mm512_loadu_ps(x + b * QBLOCK), x1 = _mm512_loadu_ps(x + b * QBLOCK + 16);
@@ -355,29 +361,29 @@ static Vec prepare_vec(int64_t fmt, const float *x, int64_t K) {
             __m512 q1 = _mm512_roundscale_ps(_mm512_mul_ps(x1, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             q0 = _mm512_max_ps(_mm512_min_ps(q0, lim), nlim);
             q1 = _mm512_max_ps(_mm512_min_ps(q1, lim), nlim);
-            _mm_storeu_si128((__m128i *)(g_qa + b * QBLOCK), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q0)));
-            _mm_storeu_si128((__m128i *)(g_qa + b * QBLOCK + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q1)));
-            g_qs[b] = amax / 127.0f;
+            _mm_storeu_si128((__m128i *)(vb->qa + b * QBLOCK), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q0)));
+            _mm_storeu_si128((__m128i *)(vb->qa + b * QBLOCK + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q1)));
+            vb->qs[b] = amax / 127.0f;
         }
-        v.qa = g_qa; v.qs = g_qs;
+        v.qa = vb->qa; v.qs = vb->qs;
     }
 #elif defined(WIDE_AVX2)
-    if (fmt == FMT_I8 && K % QBLOCK == 0 && K <= g_vec_cap) { /* the same rounding, scalar */
+    if (fmt == FMT_I8 && K % QBLOCK == 0 && K <= vb->cap) { /* the same rounding, scalar */
         for (int64_t b = 0; b < K / QBLOCK; b++) {
             const float *xb = x + b * QBLOCK;
             float amax = 0.f;
             for (int64_t i = 0; i < QBLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
             const float inv = amax > 0.f ? 127.0f / amax : 0.f;
-            for (int64_t i = 0; i < QBLOCK; i++) g_qa[b * QBLOCK + i] = (int8_t)fmaxf(-127.f, fminf(127.f, nearbyintf(xb[i] * inv)));
-            g_qs[b] = amax / 127.0f;
+            for (int64_t i = 0; i < QBLOCK; i++) vb->qa[b * QBLOCK + i] = (int8_t)fmaxf(-127.f, fminf(127.f, nearbyintf(xb[i] * inv)));
+            vb->qs[b] = amax / 127.0f;
         }
-        v.qa = g_qa; v.qs = g_qs;
+        v.qa = vb->qa; v.qs = vb->qs;
     }
 #endif
 #ifdef WIDE_BF16DP
-    if (fmt == FMT_BF16 && K % 32 == 0 && K <= g_vec_cap) {
-        for (int64_t i = 0; i < K; i++) g_xb[i] = f32_to_bf16(x[i]);
-        v.xb = g_xb;
+    if (fmt == FMT_BF16 && K % 32 == 0 && K <= vb->cap) {
+        for (int64_t i = 0; i < K; i++) vb->xb[i] = f32_to_bf16(x[i]);
+        v.xb = vb->xb;
     }
 #endif
     (void)fmt;
@@ -635,9 +641,16 @@ static void axpy_bf16(const uint16_t *Wt, int64_t ld, int64_t N, int64_t C, cons
 
 typedef void (*job_fn)(void *arg, int64_t part, int64_t parts);
 
+struct Pool;
 typedef struct {
+    struct Pool *pool;
+    int64_t me;
+} WorkerArg;
+
+typedef struct Pool {
     pthread_t tid[15];
     int64_t n;                /* threads including the caller */
+    long fork_gen;            /* g_fork_gen when the workers were started */
     atomic_long epoch;        /* bumped per job */
     atomic_long done;         /* workers finished with the current epoch */
     atomic_int stop;
@@ -645,89 +658,111 @@ typedef struct {
     void *arg;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int64_t idx[15];
+    WorkerArg wa[15];
 } Pool;
 
-static Pool g_pool = {.n = 1, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+/* Forks seen (bumped in the child): a pool whose workers were started before the latest fork has
+ * none in this process. The library's only mutable file-level state besides the handler flag. */
+static atomic_long g_fork_gen;
 
-static void *worker(void *p) {
-    int64_t me = *(int64_t *)p;
+static void *worker(void *arg) {
+    Pool *p = ((WorkerArg *)arg)->pool;
+    const int64_t me = ((WorkerArg *)arg)->me;
     long seen = 0;
     for (;;) {
         long e;
         int spins = 0;
-        while ((e = atomic_load_explicit(&g_pool.epoch, memory_order_acquire)) == seen) {
-            if (atomic_load(&g_pool.stop)) return NULL;
+        while ((e = atomic_load_explicit(&p->epoch, memory_order_acquire)) == seen) {
+            if (atomic_load(&p->stop)) return NULL;
             if (++spins < 20000) {
-#ifdef WIDE_AVX512
+#if defined(WIDE_AVX512) || defined(WIDE_AVX2)
                 _mm_pause();
 #endif
                 continue;
             }
-            pthread_mutex_lock(&g_pool.mu); /* idle between tokens: sleep, do not burn the core */
-            while (atomic_load_explicit(&g_pool.epoch, memory_order_acquire) == seen && !atomic_load(&g_pool.stop))
-                pthread_cond_wait(&g_pool.cv, &g_pool.mu);
-            pthread_mutex_unlock(&g_pool.mu);
+            pthread_mutex_lock(&p->mu); /* idle between tokens: sleep, do not burn the core */
+            while (atomic_load_explicit(&p->epoch, memory_order_acquire) == seen && !atomic_load(&p->stop))
+                pthread_cond_wait(&p->cv, &p->mu);
+            pthread_mutex_unlock(&p->mu);
             spins = 0;
         }
         seen = e;
-        g_pool.fn(g_pool.arg, me, g_pool.n);
-        atomic_fetch_add_explicit(&g_pool.done, 1, memory_order_release);
+        p->fn(p->arg, me, p->n);
+        atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
     }
 }
 
-/* A forked child has none of the parent's workers: it runs single-threaded until resized. */
-static void pool_after_fork_child(void) {
-    g_pool.n = 1;
-    pthread_mutex_init(&g_pool.mu, NULL);
-    pthread_cond_init(&g_pool.cv, NULL);
+static void pool_after_fork_child(void) { atomic_fetch_add(&g_fork_gen, 1); }
+
+/* A forked child has none of the parent's workers: its pools run single-threaded until resized. */
+static void pool_check_fork(Pool *p) {
+    if (p->n > 1 && p->fork_gen != atomic_load(&g_fork_gen)) {
+        p->n = 1;
+        pthread_mutex_init(&p->mu, NULL);
+        pthread_cond_init(&p->cv, NULL);
+    }
 }
 
-static void pool_resize(int64_t n) {
-    static int fork_handler;
-    if (!fork_handler) {
-        pthread_atfork(NULL, NULL, pool_after_fork_child);
-        fork_handler = 1;
-    }
+static void pool_init(Pool *p) {
+    static atomic_int fork_handler;
+    if (!atomic_exchange(&fork_handler, 1)) pthread_atfork(NULL, NULL, pool_after_fork_child);
+    memset(p, 0, sizeof(*p));
+    p->n = 1;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+}
+
+static void pool_resize(Pool *p, int64_t n) {
+    pool_check_fork(p);
     if (n < 1) n = 1;
     if (n > 16) n = 16;
-    if (n == g_pool.n) return;
-    if (g_pool.n > 1) { /* stop the old workers */
-        pthread_mutex_lock(&g_pool.mu);
-        atomic_store(&g_pool.stop, 1);
-        pthread_cond_broadcast(&g_pool.cv);
-        pthread_mutex_unlock(&g_pool.mu);
-        for (int64_t i = 0; i < g_pool.n - 1; i++) pthread_join(g_pool.tid[i], NULL);
+    if (n == p->n) return;
+    if (p->n > 1) { /* stop the old workers */
+        pthread_mutex_lock(&p->mu);
+        atomic_store(&p->stop, 1);
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+        for (int64_t i = 0; i < p->n - 1; i++) pthread_join(p->tid[i], NULL);
     }
-    atomic_store(&g_pool.stop, 0);
-    atomic_store(&g_pool.epoch, 0);
-    g_pool.n = n;
+    atomic_store(&p->stop, 0);
+    atomic_store(&p->epoch, 0);
+    p->n = n;
+    p->fork_gen = atomic_load(&g_fork_gen);
     for (int64_t i = 0; i < n - 1; i++) {
-        g_pool.idx[i] = i + 1;
-        pthread_create(&g_pool.tid[i], NULL, worker, &g_pool.idx[i]);
+        p->wa[i] = (WorkerArg){p, i + 1};
+        pthread_create(&p->tid[i], NULL, worker, &p->wa[i]);
     }
 }
 
 /* Run fn on parts 0..n-1 (part 0 on the caller) and wait for all. */
-static void pool_run(job_fn fn, void *arg) {
-    if (g_pool.n <= 1) {
+static void pool_run(Pool *p, job_fn fn, void *arg) {
+    pool_check_fork(p);
+    if (p->n <= 1) {
         fn(arg, 0, 1);
         return;
     }
-    g_pool.fn = fn;
-    g_pool.arg = arg;
-    atomic_store_explicit(&g_pool.done, 0, memory_order_relaxed);
-    pthread_mutex_lock(&g_pool.mu);
-    atomic_fetch_add_explicit(&g_pool.epoch, 1, memory_order_release);
-    pthread_cond_broadcast(&g_pool.cv);
-    pthread_mutex_unlock(&g_pool.mu);
-    fn(arg, 0, g_pool.n);
-    while (atomic_load_explicit(&g_pool.done, memory_order_acquire) < g_pool.n - 1) {
-#ifdef WIDE_AVX512
+    p->fn = fn;
+    p->arg = arg;
+    atomic_store_explicit(&p->done, 0, memory_order_relaxed);
+    pthread_mutex_lock(&p->mu);
+    atomic_fetch_add_explicit(&p->epoch, 1, memory_order_release);
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    fn(arg, 0, p->n);
+    while (atomic_load_explicit(&p->done, memory_order_acquire) < p->n - 1) {
+#if defined(WIDE_AVX512) || defined(WIDE_AVX2)
         _mm_pause();
 #endif
     }
 }
+
+/* What a call mutates besides its outputs: the thread pool and the prepared-vector buffers. One
+ * per caller (wide_ctx_new; runtime/cpu_native.py keeps one per process), used by one thread at a
+ * time. */
+typedef struct {
+    Pool pool;
+    VecBuf vec;
+} WCtx;
 
 /* A projection job: rows [r0, r1) of an axis-n projection into y, split by rows; or the float
  * axis-k accumulate y[0:N] += a @ w_t[c0:c1], split by output columns; or int8 axis-k groups. */
@@ -797,29 +832,29 @@ static void proj_job(void *arg, int64_t part, int64_t parts) {
 
 /* y[r] = W[r] . x for the rows r of the ranges [runs[2i], runs[2i+1]) (y indexed by row), one
  * dispatch to the pool for all of them. */
-static void run_rows_set(int64_t fmt, const void *W, const float *S, int64_t K, const int64_t *runs, int64_t nruns,
-                         const Vec *x, float *y) {
+static void run_rows_set(Pool *p, int64_t fmt, const void *W, const float *S, int64_t K, const int64_t *runs,
+                         int64_t nruns, const Vec *x, float *y) {
     int64_t total = 0;
     for (int64_t r = 0; r < nruns; r++) total += runs[2 * r + 1] - runs[2 * r];
     if (total <= 0) return;
     ProjJob j = {0, fmt, K, 0, 0, 0, 0, nruns, W, S, x, y, runs, NULL};
-    if (g_pool.n > 1 && total >= 64) pool_run(proj_job, &j);
+    if (p->n > 1 && total >= 64) pool_run(p, proj_job, &j);
     else proj_job(&j, 0, 1);
 }
 
-static void run_rows(int64_t fmt, const void *W, const float *S, int64_t K, int64_t r0, int64_t r1,
+static void run_rows(Pool *p, int64_t fmt, const void *W, const float *S, int64_t K, int64_t r0, int64_t r1,
                      const Vec *x, float *y) {
     const int64_t range[2] = {r0, r1};
-    run_rows_set(fmt, W, S, K, range, 1, x, y - r0);
+    run_rows_set(p, fmt, W, S, K, range, 1, x, y - r0);
 }
 
 /* y[0:N] += a[groups] @ W[groups] for the runs of active groups (axis-k projection); blocked:
  * W is [GROUPS, N, g] (always for int8; bf16 when the caller laid it out so), else w_t [K, N]. */
-static void run_k(int64_t fmt, int64_t blocked, const void *W, const float *S, int64_t N, int64_t g,
+static void run_k(Pool *p, int64_t fmt, int64_t blocked, const void *W, const float *S, int64_t N, int64_t g,
                   const int64_t *runs, int64_t nruns, const Vec *a, float *y) {
     if (nruns == 0) return;
     ProjJob j = {blocked || fmt == FMT_I8 ? 2 : 1, fmt, 0, 0, 0, N, g, nruns, W, S, a, y, runs, a->x};
-    if (g_pool.n > 1) pool_run(proj_job, &j);
+    if (p->n > 1) pool_run(p, proj_job, &j);
     else proj_job(&j, 0, 1);
 }
 
@@ -1002,7 +1037,8 @@ int64_t wide_decode_scratch_floats(const WModel *m) {
 }
 
 /* One layer for one token: x [D] (the residual stream, fp32) updated in place. */
-static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64_t slot, float *sc, int64_t *cnt) {
+static void layer_step(WCtx *c, const WModel *m, int64_t li, float *x, int64_t pos, int64_t slot, float *sc,
+                       int64_t *cnt) {
     const WLayer *L = &m->layers[li];
     int64_t D = m->D, H = L->H, Hkv = L->Hkv, d = L->d, bf = m->act_bf16, fmt = m->wfmt;
     int64_t cols = L->ag * d, Nq = H * d, Nkv = Hkv * d, fg = L->fg;
@@ -1017,13 +1053,13 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
     int64_t na = decide(m, li, 0, L->ra_w, L->ra_b, L->keep_a, L->GA, x, exa, rtmp, cnt);
     rms_norm(x, L->ln_attn, D, m->eps, bf, h);
     int64_t nr = runs_of(exa, L->GA, runs);
-    Vec vh = prepare_vec(fmt, h, D);
+    Vec vh = prepare_vec(&c->vec, fmt, h, D);
     {   /* Q rows of the active head groups and every token's K/V rows: one dispatch */
         int64_t rows[2 * 4096 + 2];
         for (int64_t r = 0; r < nr; r++) { rows[2 * r] = runs[2 * r] * cols; rows[2 * r + 1] = runs[2 * r + 1] * cols; }
         rows[2 * nr] = Nq;
         rows[2 * nr + 1] = Nq + 2 * Nkv;
-        run_rows_set(fmt, L->qkv, L->qkv_s, D, rows, nr + 1, &vh, qkv);
+        run_rows_set(&c->pool, fmt, L->qkv, L->qkv_s, D, rows, nr + 1, &vh, qkv);
     }
     cnt[CNT_MACS] += (na * cols + 2 * Nkv) * D;
     cnt[CNT_WEIGHT_BYTES] += wbytes(fmt, na * cols + 2 * Nkv, D);
@@ -1063,14 +1099,14 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
     int64_t S = slot + 1, lo = 0;
     if (L->window > 0 && S - L->window > 0) lo = S - L->window;
     AttnJob aj = {m, L, qkv, att, hx, scores, lo, S, m->max_len, 1.0f / sqrtf((float)d)};
-    if (g_pool.n > 1 && na > 1) pool_run(attn_job, &aj);
+    if (c->pool.n > 1 && na > 1) pool_run(&c->pool, attn_job, &aj);
     else attn_job(&aj, 0, 1);
     cnt[CNT_ATTN_MACS] += na * L->ag * d * 2 * (S - lo);
     /* O projection over the active head groups, then the residual add */
     if (L->bo) for (int64_t i = 0; i < D; i++) y[i] = L->bo[i];
     else memset(y, 0, (size_t)D * sizeof(float));
-    Vec vatt = prepare_vec(fmt, att, Nq);
-    run_k(fmt, L->blocked, L->o, L->o_s, D, cols, runs, nr, &vatt, y);
+    Vec vatt = prepare_vec(&c->vec, fmt, att, Nq);
+    run_k(&c->pool, fmt, L->blocked, L->o, L->o_s, D, cols, runs, nr, &vatt, y);
     cnt[CNT_MACS] += na * cols * D;
     cnt[CNT_WEIGHT_BYTES] += na * wbytes(fmt, D, cols);
     for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
@@ -1080,12 +1116,12 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
     int64_t nf = decide(m, li, 1, L->rf_w, L->rf_b, L->keep_f, L->GF, x, exf, rtmp, cnt);
     rms_norm(x, L->ln_ffn, D, m->eps, bf, h);
     nr = runs_of(exf, L->GF, runs);
-    vh = prepare_vec(fmt, h, D);
+    vh = prepare_vec(&c->vec, fmt, h, D);
     /* gate|up rows of each run land group-major in hid: [j][gate fg | up fg] */
     {
         int64_t rows[2 * 4096];
         for (int64_t r = 0; r < 2 * nr; r++) rows[r] = runs[r] * 2 * fg;
-        run_rows_set(fmt, L->gu, L->gu_s, D, rows, nr, &vh, hid);
+        run_rows_set(&c->pool, fmt, L->gu, L->gu_s, D, rows, nr, &vh, hid);
     }
     cnt[CNT_MACS] += nf * 2 * fg * D;
     cnt[CNT_WEIGHT_BYTES] += wbytes(fmt, nf * 2 * fg, D);
@@ -1102,8 +1138,8 @@ static void layer_step(const WModel *m, int64_t li, float *x, int64_t pos, int64
             }
         }
     memset(y, 0, (size_t)D * sizeof(float));
-    Vec vact = prepare_vec(fmt, act, L->GF * fg);
-    run_k(fmt, L->blocked, L->down, L->down_s, D, fg, runs, nr, &vact, y);
+    Vec vact = prepare_vec(&c->vec, fmt, act, L->GF * fg);
+    run_k(&c->pool, fmt, L->blocked, L->down, L->down_s, D, fg, runs, nr, &vact, y);
     cnt[CNT_MACS] += nf * fg * D;
     cnt[CNT_WEIGHT_BYTES] += nf * wbytes(fmt, D, fg);
     for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
@@ -1421,26 +1457,26 @@ static void widen_job(void *arg, int64_t part, int64_t parts) {
  * (identity); accumulate: add to out instead of overwriting. Rows of orows must be distinct.
  * Returns 0, or -1 for arguments it does not take (nothing written then): an int8 or unknown
  * format, an odd K with bf16, non-positive sizes, an allocation failure. */
-int64_t wide_gemm(int64_t fmt, int64_t ofmt, int64_t layout, const void *B, int64_t ldb, int64_t N, int64_t K,
-                  const void *A, int64_t lda, const int64_t *arows, int64_t M, void *out, int64_t ldo,
+int64_t wide_gemm(WCtx *c, int64_t fmt, int64_t ofmt, int64_t layout, const void *B, int64_t ldb, int64_t N,
+                  int64_t K, const void *A, int64_t lda, const int64_t *arows, int64_t M, void *out, int64_t ldo,
                   const int64_t *orows, int64_t accumulate, int64_t nthreads) {
     if ((fmt != FMT_F32 && fmt != FMT_BF16) || (ofmt != FMT_F32 && ofmt != FMT_BF16) || (layout != 0 && layout != 1))
         return -1;
     if (N <= 0 || K <= 0 || M <= 0 || (fmt == FMT_BF16 && K % 2)) return -1;
-    if (nthreads != g_pool.n) pool_resize(nthreads);
+    if (nthreads != c->pool.n) pool_resize(&c->pool, nthreads);
     GemmJob j = {fmt, fmt, ofmt, layout, N, K, M, lda, ldb, ldo, accumulate, A, B, arows, orows, out, 0};
     float *wide = NULL;
     const int64_t dot = layout == 0 && M <= GEMM_DOT_M;
     if (fmt == FMT_BF16 && (dot || !GEMM_BF16_PAIRS)) {
         if (!(wide = (float *)malloc(sizeof(float) * M * K))) return -1;
         WidenJob w = {&j, wide};
-        pool_run(widen_job, &w);
+        pool_run(&c->pool, widen_job, &w);
         j.afmt = FMT_F32;
         j.A = wide;
         j.arows = NULL;
         j.lda = K;
     }
-    pool_run(dot ? gemm_dot_job : gemm_job, &j);
+    pool_run(&c->pool, dot ? gemm_dot_job : gemm_job, &j);
     free(wide);
     return j.err ? -1 : 0;
 }
@@ -1481,32 +1517,45 @@ int64_t wide_decode_layout(int64_t *out, int64_t cap) {
     return n;
 }
 
-void wide_decode_set_threads(int64_t n) { pool_resize(n); }
+/* A new context (its pool single-threaded until a call asks for more threads), or NULL. */
+WCtx *wide_ctx_new(void) {
+    WCtx *c = (WCtx *)calloc(1, sizeof(WCtx));
+    if (c) pool_init(&c->pool);
+    return c;
+}
+
+/* Stop a context's workers and free it (NULL: nothing). */
+void wide_ctx_free(WCtx *c) {
+    if (!c) return;
+    pool_resize(&c->pool, 1);
+    free(c->vec.qa); free(c->vec.qs); free(c->vec.xb);
+    free(c);
+}
 
 /* Run token `token` at RoPE position `pos` into cache slot `slot` (slots 0..slot-1 hold the
  * context) through every layer; write fp32 logits [V]. cnt[0..3] += executed weight, attention and
  * router multiply-adds, and the weight bytes read (int8 scales included). Returns 0, or -1 for bad arguments (nothing written then). */
-int64_t wide_decode_step(const WModel *m, int64_t token, int64_t pos, int64_t slot, float *logits, int64_t *cnt,
-                         float *scratch) {
+int64_t wide_decode_step(WCtx *c, const WModel *m, int64_t token, int64_t pos, int64_t slot, float *logits,
+                         int64_t *cnt, float *scratch) {
     if (token < 0 || token >= m->V || slot < 0 || slot >= m->max_len) return -1;
     for (int64_t l = 0; l < m->L; l++)
         if (m->layers[l].GA > 4096 || m->layers[l].GF > 4096 || m->layers[l].H > 4096) return -1;
-    if (m->nthreads != g_pool.n) pool_resize(m->nthreads);
+    if (m->nthreads != c->pool.n) pool_resize(&c->pool, m->nthreads);
     int64_t kmax = m->D;
     for (int64_t l = 0; l < m->L; l++) {
         const WLayer *L = &m->layers[l];
         if (L->H * L->d > kmax) kmax = L->H * L->d;
         if (L->GF * L->fg > kmax) kmax = L->GF * L->fg;
     }
-    if (vec_reserve(kmax) != 0) return -1;
+    if (vec_reserve(&c->vec, kmax) != 0) return -1;
     int64_t D = m->D;
     float *x = scratch, *sc = scratch + D;
     for (int64_t i = 0; i < D; i++) x[i] = load_act(m->embed, token * D + i, m->act_bf16);
-    for (int64_t l = 0; l < m->L; l++) layer_step(m, l, x, pos, slot, sc, cnt);
+    for (int64_t l = 0; l < m->L; l++) layer_step(c, m, l, x, pos, slot, sc, cnt);
     float *h = sc;
     rms_norm(x, m->final_norm, D, m->eps, m->act_bf16, h);
-    Vec vh = prepare_vec(m->head_fmt, h, D);
-    run_rows(m->head_fmt, m->head, m->head_s, D, 0, m->V, &vh, logits);
+    Vec vh = prepare_vec(&c->vec, m->head_fmt, h, D);
+    run_rows(&c->pool, m->head_fmt, m->head, m->head_s, D, 0, m->V, &vh, logits);
     cnt[CNT_MACS] += m->V * D;
     cnt[CNT_WEIGHT_BYTES] += wbytes(m->head_fmt, m->V, D);
     return 0;

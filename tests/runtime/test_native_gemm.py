@@ -160,3 +160,33 @@ def test_a_struct_mirror_that_differs_from_the_library_is_refused(libs, monkeypa
     monkeypatch.setattr(cpu_native, "_WModel", bad)
     with pytest.raises(RuntimeError, match="struct layout"):
         cpu_native._check_layout(libs["native"])
+
+
+def test_a_forked_child_runs_the_gemm_after_the_parent_used_two_threads(libs):
+    """The child has none of the parent's pool workers: its calls run single-threaded (the pool
+    notices the fork) instead of waiting for workers that do not exist."""
+    import os
+
+    lib = libs["native"]
+    a, w = torch.randn(40, 64).to(torch.bfloat16), torch.randn(96, 64).to(torch.bfloat16)
+    want = torch.empty(40, 96)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert cpu_native.gemm(a, w, "rows", want, lib=lib)  # starts the parent's worker
+    finally:
+        torch.set_num_threads(before)
+    r, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: same call, then report through the pipe
+        ok = 0
+        try:
+            got = torch.empty(40, 96)
+            torch.set_num_threads(2)
+            ok = int(cpu_native.gemm(a, w, "rows", got, lib=lib) and torch.equal(got, want))
+        finally:
+            os.write(wfd, bytes([ok]))
+            os._exit(0)
+    os.close(wfd)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"\x01" and status == 0

@@ -35,7 +35,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "cpu_decode.c"
-ABI = 5
+ABI = 6
 FMT_CODE = {torch.float32: 0, torch.bfloat16: 1}  # int8 is 2
 # The step's counters, in the order of the C enum CNT_*.
 COUNTERS = ("macs", "attn_macs", "router_macs", "weight_bytes")
@@ -156,13 +156,31 @@ def load(path: Path) -> ctypes.CDLL:
         raise RuntimeError(f"native library ABI {lib.wide_decode_abi()} != {ABI}")
     _check_layout(lib)
     lib.wide_decode_step.restype = _I64
-    lib.wide_decode_step.argtypes = [ctypes.POINTER(_WModel), _I64, _I64, _I64, _P, _P, _P]
+    lib.wide_decode_step.argtypes = [_P, ctypes.POINTER(_WModel), _I64, _I64, _I64, _P, _P, _P]
     lib.wide_decode_scratch_floats.restype = _I64
     lib.wide_decode_scratch_floats.argtypes = [ctypes.POINTER(_WModel)]
     lib.wide_gemm.restype = _I64
-    lib.wide_gemm.argtypes = [_I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64]
+    lib.wide_gemm.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64]
+    lib.wide_ctx_new.restype = _P
+    lib.wide_ctx_free.argtypes = [_P]
     lib.wide_gemm_simd.restype = _I64
     return lib
+
+
+def context(lib: ctypes.CDLL) -> int:
+    """The native context of ``lib`` in this process (``WCtx``: its thread pool and buffers; the C
+    code keeps no other mutable state), created on first use and kept for the process's life.
+
+    Raises:
+        MemoryError: the context could not be allocated.
+    """
+    ctx = getattr(lib, "_wide_ctx", None)
+    if ctx is None:
+        ctx = lib.wide_ctx_new()
+        if not ctx:
+            raise MemoryError("wide_ctx_new failed")
+        lib._wide_ctx = ctx
+    return ctx
 
 
 def library() -> ctypes.CDLL | None:
@@ -229,7 +247,7 @@ def gemm(a: torch.Tensor, w: torch.Tensor, layout: str, out: torch.Tensor, *, ar
     arows, orows = (None if r is None else r.to(torch.int64).contiguous() for r in (arows, orows))
     if M == 0:
         return True
-    rc = lib.wide_gemm(fmt, _GEMM_FMT[out.dtype], 0 if layout == "rows" else 1, w.data_ptr(), w.stride(0), N, K,
+    rc = lib.wide_gemm(context(lib), fmt, _GEMM_FMT[out.dtype], 0 if layout == "rows" else 1, w.data_ptr(), w.stride(0), N, K,
                        a.data_ptr(), a.stride(0), _ptr(arows), M, out.data_ptr(), out.stride(0), _ptr(orows),
                        int(accumulate), torch.get_num_threads())
     return rc == 0
@@ -404,7 +422,7 @@ class NativeDecoder:
         c.zero_()
         saved = self._force(slot) if self.rt.forced else None
         try:
-            rc = self.lib.wide_decode_step(ctypes.byref(self.model), token, pos, slot, logits.data_ptr(),
+            rc = self.lib.wide_decode_step(context(self.lib), ctypes.byref(self.model), token, pos, slot, logits.data_ptr(),
                                            c.data_ptr(), self._scratch.data_ptr())
         finally:
             if saved is not None:
