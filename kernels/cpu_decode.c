@@ -112,7 +112,18 @@ static inline float load_act(const void *p, int64_t i, int64_t bf16) {
 /* ------------------------------------------------------------------------------------------ */
 /* GEMV kernels: y[r] = sum_k W[r, k] x[k] for n rows of width K (row stride K) */
 
+/* The vector primitives of each ISA (vf: VW fp32 lanes), so that one generic kernel body serves
+ * AVX-512 and AVX2 + FMA (the ggml-cpu way); ISA-only kernels (VNNI, BF16 pairs, AVX2 int8) use
+ * the intrinsics directly. Without either ISA VW is undefined and the portable twins run. */
 #ifdef WIDE_AVX512
+#define VW 16
+typedef __m512 vf;
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline float vf_sum(vf v) { return _mm512_reduce_add_ps(v); }
 static inline __m512 ld_f32(const float *w) { return _mm512_loadu_ps(w); }
 static inline __m512 ld_bf16(const uint16_t *w) {
     __m256i v = _mm256_loadu_si256((const __m256i *)w);
@@ -123,7 +134,15 @@ static inline __m512 ld_i8(const int8_t *w) {
 }
 #endif
 #if defined(WIDE_AVX2)
-/* The same loaders 8 lanes wide: AVX2 + FMA machines (no AVX-512) run the 8-lane twins below. */
+#define VW 8
+typedef __m256 vf;
+static inline float hsum8(__m256 v);
+static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf vf_set1(float x) { return _mm256_set1_ps(x); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline float vf_sum(vf v) { return hsum8(v); }
 static inline __m256 ld_f32(const float *w) { return _mm256_loadu_ps(w); }
 static inline __m256 ld_bf16(const uint16_t *w) {
     __m128i v = _mm_loadu_si128((const __m128i *)w);
@@ -140,10 +159,11 @@ static inline float cv_f32(const float *w, int64_t k) { return w[k]; }
 static inline float cv_bf16(const uint16_t *w, int64_t k) { return bf16_to_f32(w[k]); }
 static inline float cv_i8(const int8_t *w, int64_t k) { return (float)w[k]; }
 
-#ifdef WIDE_AVX512
-/* Software prefetch of the rows 8 ahead of the 4 being read: a decode step streams many small
- * matrices, and the hardware prefetcher alone reached ~20 GB/s of the ~35 GB/s one core reads
- * here (SmolLM2-135M int8 decode 84 -> 117 tokens/s with it, 1 thread, measured A/B). */
+#ifdef VW
+/* Software prefetch of the rows 8 ahead of the 4 being read, once per cache line: a decode step
+ * streams many small matrices, and the hardware prefetcher alone reached ~20 GB/s of the ~35 GB/s
+ * one core reads on an AVX-512 EPYC (SmolLM2-135M int8 decode 84 -> 117 tokens/s with it, 1
+ * thread, measured A/B). */
 #define PREFETCH_ROWS(p, K)                                                                          \
     do {                                                                                             \
         _mm_prefetch((const char *)((p) + 8 * (K)), _MM_HINT_T0);                                    \
@@ -155,18 +175,17 @@ static inline float cv_i8(const int8_t *w, int64_t k) { return (float)w[k]; }
     int64_t r = 0;                                                                                   \
     for (; r + 4 <= n; r += 4) {                                                                     \
         const T *w0 = W + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;                           \
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                  \
+        vf a0 = vf_zero(), a1 = a0, a2 = a0, a3 = a0;                                                \
         int64_t k = 0;                                                                               \
-        for (; k + 16 <= K; k += 16) {                                                               \
-            __m512 xv = _mm512_loadu_ps(x + k);                                                      \
-            PREFETCH_ROWS(w0 + k, K);                                                                \
-            a0 = _mm512_fmadd_ps(LD(w0 + k), xv, a0);                                                \
-            a1 = _mm512_fmadd_ps(LD(w1 + k), xv, a1);                                                \
-            a2 = _mm512_fmadd_ps(LD(w2 + k), xv, a2);                                                \
-            a3 = _mm512_fmadd_ps(LD(w3 + k), xv, a3);                                                \
+        for (; k + VW <= K; k += VW) {                                                               \
+            vf xv = vf_load(x + k);                                                                  \
+            if ((k * (int64_t)sizeof(T)) % 64 == 0) PREFETCH_ROWS(w0 + k, K);                        \
+            a0 = vf_fma(LD(w0 + k), xv, a0);                                                         \
+            a1 = vf_fma(LD(w1 + k), xv, a1);                                                         \
+            a2 = vf_fma(LD(w2 + k), xv, a2);                                                         \
+            a3 = vf_fma(LD(w3 + k), xv, a3);                                                         \
         }                                                                                            \
-        float s0 = _mm512_reduce_add_ps(a0), s1 = _mm512_reduce_add_ps(a1);                          \
-        float s2 = _mm512_reduce_add_ps(a2), s3 = _mm512_reduce_add_ps(a3);                          \
+        float s0 = vf_sum(a0), s1 = vf_sum(a1), s2 = vf_sum(a2), s3 = vf_sum(a3);                    \
         for (; k < K; k++) {                                                                         \
             s0 += CV(w0, k) * x[k]; s1 += CV(w1, k) * x[k];                                          \
             s2 += CV(w2, k) * x[k]; s3 += CV(w3, k) * x[k];                                          \
@@ -175,48 +194,10 @@ static inline float cv_i8(const int8_t *w, int64_t k) { return (float)w[k]; }
     }                                                                                                \
     for (; r < n; r++) {                                                                             \
         const T *w0 = W + r * K;                                                                     \
-        __m512 a0 = _mm512_setzero_ps();                                                             \
+        vf a0 = vf_zero();                                                                           \
         int64_t k = 0;                                                                               \
-        for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(LD(w0 + k), _mm512_loadu_ps(x + k), a0);   \
-        float s0 = _mm512_reduce_add_ps(a0);                                                         \
-        for (; k < K; k++) s0 += CV(w0, k) * x[k];                                                   \
-        y[r] = s0;                                                                                   \
-    }
-#elif defined(WIDE_AVX2)
-#define PREFETCH_ROWS(p, K)                                                                          \
-    do {                                                                                             \
-        _mm_prefetch((const char *)((p) + 8 * (K)), _MM_HINT_T0);                                    \
-        _mm_prefetch((const char *)((p) + 9 * (K)), _MM_HINT_T0);                                    \
-        _mm_prefetch((const char *)((p) + 10 * (K)), _MM_HINT_T0);                                   \
-        _mm_prefetch((const char *)((p) + 11 * (K)), _MM_HINT_T0);                                   \
-    } while (0)
-#define DOT_BODY(T, LD, CV)                                                                          \
-    int64_t r = 0;                                                                                   \
-    for (; r + 4 <= n; r += 4) {                                                                     \
-        const T *w0 = W + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;                           \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                  \
-        int64_t k = 0;                                                                               \
-        for (; k + 8 <= K; k += 8) {                                                                 \
-            __m256 xv = _mm256_loadu_ps(x + k);                                                      \
-            if (k % 32 == 0) PREFETCH_ROWS(w0 + k, K);                                               \
-            a0 = _mm256_fmadd_ps(LD(w0 + k), xv, a0);                                                \
-            a1 = _mm256_fmadd_ps(LD(w1 + k), xv, a1);                                                \
-            a2 = _mm256_fmadd_ps(LD(w2 + k), xv, a2);                                                \
-            a3 = _mm256_fmadd_ps(LD(w3 + k), xv, a3);                                                \
-        }                                                                                            \
-        float s0 = hsum8(a0), s1 = hsum8(a1), s2 = hsum8(a2), s3 = hsum8(a3);                        \
-        for (; k < K; k++) {                                                                         \
-            s0 += CV(w0, k) * x[k]; s1 += CV(w1, k) * x[k];                                          \
-            s2 += CV(w2, k) * x[k]; s3 += CV(w3, k) * x[k];                                          \
-        }                                                                                            \
-        y[r] = s0; y[r + 1] = s1; y[r + 2] = s2; y[r + 3] = s3;                                      \
-    }                                                                                                \
-    for (; r < n; r++) {                                                                             \
-        const T *w0 = W + r * K;                                                                     \
-        __m256 a0 = _mm256_setzero_ps();                                                             \
-        int64_t k = 0;                                                                               \
-        for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(LD(w0 + k), _mm256_loadu_ps(x + k), a0);     \
-        float s0 = hsum8(a0);                                                                        \
+        for (; k + VW <= K; k += VW) a0 = vf_fma(LD(w0 + k), vf_load(x + k), a0);                    \
+        float s0 = vf_sum(a0);                                                                       \
         for (; k < K; k++) s0 += CV(w0, k) * x[k];                                                   \
         y[r] = s0;                                                                                   \
     }
@@ -262,52 +243,6 @@ static void dot_i8_blocks(const int8_t *W, const float *S, int64_t K, int64_t n,
     }
 }
 
-#if defined(WIDE_AVX2)
-/* dot_i8_blocks on AVX2 + FMA (fp32 activations): per 64-byte chunk of a row, its 8-byte groups
- * (4 bytes of each of the chunk's two blocks, I8_LAYOUT) widened to 8 fp32 lanes against the
- * matching activations [x(block 0) 4 | x(block 1) 4]; the chunk's sums are scaled per half by the
- * two blocks' scales. Four rows share the activation loads. */
-static inline __m256 i8_w8(const int8_t *w) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
-}
-
-static void dot_i8_avx2(const int8_t *W, const float *S, int64_t K, int64_t n, const float *x, float *y) {
-    const int64_t nb = K / 32, nc = K / 64;
-    int64_t r = 0;
-    for (; r < n; r += 4) {
-        const int64_t rn = n - r < 4 ? n - r : 4;
-        const int8_t *w[4];
-        const float *sr[4];
-        for (int i = 0; i < 4; i++) {
-            w[i] = W + (r + (i < rn ? i : 0)) * K; /* rows past n recompute row r (not stored) */
-            sr[i] = S + (r + (i < rn ? i : 0)) * nb;
-        }
-        __m256 tot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t c = 0; c < nc; c++) {
-            const float *xc = x + 64 * c;
-            _mm_prefetch((const char *)(w[0] + 64 * c + 8 * K), _MM_HINT_T0);
-            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            for (int64_t q = 0; q < 8; q++) {
-                const __m256 xq = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(xc + 4 * q)), _mm_loadu_ps(xc + 32 + 4 * q), 1);
-                for (int i = 0; i < 4; i++) acc[i] = _mm256_fmadd_ps(i8_w8(w[i] + 64 * c + 8 * q), xq, acc[i]);
-            }
-            for (int i = 0; i < 4; i++) {
-                const __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sr[i][2 * c])), _mm_set1_ps(sr[i][2 * c + 1]), 1);
-                tot[i] = _mm256_fmadd_ps(acc[i], sv, tot[i]);
-            }
-        }
-        if (nb % 2) { /* the trailing block of 32, natural order */
-            const int64_t k0 = 64 * nc;
-            for (int i = 0; i < 4; i++) {
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t k = k0; k < K; k += 8) acc = _mm256_fmadd_ps(i8_w8(w[i] + k), _mm256_loadu_ps(x + k), acc);
-                tot[i] = _mm256_fmadd_ps(acc, _mm256_set1_ps(sr[i][nb - 1]), tot[i]);
-            }
-        }
-        for (int i = 0; i < rn; i++) y[r + i] = hsum8(tot[i]);
-    }
-}
-#endif
 
 /* An input vector of a projection with the forms the fast kernels read, prepared once per vector:
  * - int8 weights (VNNI): x quantized per block of QBLOCK values, symmetric, scale max|x| / 127 (as
@@ -570,7 +505,6 @@ static void rows_dot(int64_t fmt, const void *W, const float *S, int64_t K, int6
 #endif
 #if defined(WIDE_AVX2)
         if (v->qa) dot_i8_q_avx2(Wq, Sr, K, n, v->qa, v->qs, y);
-        else if (K % 32 == 0) dot_i8_avx2(Wq, Sr, K, n, v->x, y);
         else
 #endif
         dot_i8_blocks(Wq, Sr, K, n, v->x, y);
@@ -579,44 +513,20 @@ static void rows_dot(int64_t fmt, const void *W, const float *S, int64_t K, int6
 
 /* y[0:N] += sum_c a[c] w_t[c, 0:N] over C rows of a float w_t with row stride ld (ld = N: one
  * contiguous stream; a thread's column slice: ld > N). */
-#ifdef WIDE_AVX512
-#define AXPY_BODY(T, LD, CV)                                                                         \
-    int64_t c = 0;                                                                                   \
-    for (; c + 4 <= C; c += 4) {                                                                     \
-        const T *w0 = Wt + c * ld, *w1 = w0 + ld, *w2 = w1 + ld, *w3 = w2 + ld;                          \
-        __m512 b0 = _mm512_set1_ps(a[c]), b1 = _mm512_set1_ps(a[c + 1]);                             \
-        __m512 b2 = _mm512_set1_ps(a[c + 2]), b3 = _mm512_set1_ps(a[c + 3]);                         \
-        int64_t i = 0;                                                                               \
-        for (; i + 16 <= N; i += 16) {                                                               \
-            __m512 acc = _mm512_loadu_ps(y + i);                                                     \
-            acc = _mm512_fmadd_ps(LD(w0 + i), b0, acc);                                              \
-            acc = _mm512_fmadd_ps(LD(w1 + i), b1, acc);                                              \
-            acc = _mm512_fmadd_ps(LD(w2 + i), b2, acc);                                              \
-            acc = _mm512_fmadd_ps(LD(w3 + i), b3, acc);                                              \
-            _mm512_storeu_ps(y + i, acc);                                                            \
-        }                                                                                            \
-        for (; i < N; i++)                                                                           \
-            y[i] += CV(w0, i) * a[c] + CV(w1, i) * a[c + 1] + CV(w2, i) * a[c + 2] + CV(w3, i) * a[c + 3]; \
-    }                                                                                                \
-    for (; c < C; c++) {                                                                             \
-        const T *w0 = Wt + c * ld;                                                                   \
-        for (int64_t i = 0; i < N; i++) y[i] += CV(w0, i) * a[c];                                    \
-    }
-#elif defined(WIDE_AVX2)
+#ifdef VW
 #define AXPY_BODY(T, LD, CV)                                                                         \
     int64_t c = 0;                                                                                   \
     for (; c + 4 <= C; c += 4) {                                                                     \
         const T *w0 = Wt + c * ld, *w1 = w0 + ld, *w2 = w1 + ld, *w3 = w2 + ld;                      \
-        __m256 b0 = _mm256_set1_ps(a[c]), b1 = _mm256_set1_ps(a[c + 1]);                             \
-        __m256 b2 = _mm256_set1_ps(a[c + 2]), b3 = _mm256_set1_ps(a[c + 3]);                         \
+        vf b0 = vf_set1(a[c]), b1 = vf_set1(a[c + 1]), b2 = vf_set1(a[c + 2]), b3 = vf_set1(a[c + 3]); \
         int64_t i = 0;                                                                               \
-        for (; i + 8 <= N; i += 8) {                                                                 \
-            __m256 acc = _mm256_loadu_ps(y + i);                                                     \
-            acc = _mm256_fmadd_ps(LD(w0 + i), b0, acc);                                              \
-            acc = _mm256_fmadd_ps(LD(w1 + i), b1, acc);                                              \
-            acc = _mm256_fmadd_ps(LD(w2 + i), b2, acc);                                              \
-            acc = _mm256_fmadd_ps(LD(w3 + i), b3, acc);                                              \
-            _mm256_storeu_ps(y + i, acc);                                                            \
+        for (; i + VW <= N; i += VW) {                                                               \
+            vf acc = vf_load(y + i);                                                                 \
+            acc = vf_fma(LD(w0 + i), b0, acc);                                                       \
+            acc = vf_fma(LD(w1 + i), b1, acc);                                                       \
+            acc = vf_fma(LD(w2 + i), b2, acc);                                                       \
+            acc = vf_fma(LD(w3 + i), b3, acc);                                                       \
+            vf_store(y + i, acc);                                                                    \
         }                                                                                            \
         for (; i < N; i++)                                                                           \
             y[i] += CV(w0, i) * a[c] + CV(w1, i) * a[c + 1] + CV(w2, i) * a[c + 2] + CV(w3, i) * a[c + 3]; \
@@ -937,19 +847,12 @@ static void rope(float *x, int64_t d, const float *cs, const float *sn, int64_t 
 
 /* q . k for one cached key (fp32 or bf16 cache), and o += p v for one cached value. */
 static inline float dot_head(const float *q, const void *k, int64_t d, int64_t bf) {
-#ifdef WIDE_AVX512
-    if (d % 16 == 0) {
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t i = 0; i < d; i += 16)
-            a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), bf ? ld_bf16((const uint16_t *)k + i) : ld_f32((const float *)k + i), a);
-        return _mm512_reduce_add_ps(a);
-    }
-#elif defined(WIDE_AVX2)
-    if (d % 8 == 0) {
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t i = 0; i < d; i += 8)
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), bf ? ld_bf16((const uint16_t *)k + i) : ld_f32((const float *)k + i), a);
-        return hsum8(a);
+#ifdef VW
+    if (d % VW == 0) {
+        vf a = vf_zero();
+        for (int64_t i = 0; i < d; i += VW)
+            a = vf_fma(vf_load(q + i), bf ? ld_bf16((const uint16_t *)k + i) : ld_f32((const float *)k + i), a);
+        return vf_sum(a);
     }
 #endif
     float s = 0.f;
@@ -958,20 +861,11 @@ static inline float dot_head(const float *q, const void *k, int64_t d, int64_t b
 }
 
 static inline void axpy_head(float *o, float p, const void *v, int64_t d, int64_t bf) {
-#ifdef WIDE_AVX512
-    if (d % 16 == 0) {
-        const __m512 pv = _mm512_set1_ps(p);
-        for (int64_t i = 0; i < d; i += 16)
-            _mm512_storeu_ps(o + i, _mm512_fmadd_ps(bf ? ld_bf16((const uint16_t *)v + i) : ld_f32((const float *)v + i), pv,
-                                                    _mm512_loadu_ps(o + i)));
-        return;
-    }
-#elif defined(WIDE_AVX2)
-    if (d % 8 == 0) {
-        const __m256 pv = _mm256_set1_ps(p);
-        for (int64_t i = 0; i < d; i += 8)
-            _mm256_storeu_ps(o + i, _mm256_fmadd_ps(bf ? ld_bf16((const uint16_t *)v + i) : ld_f32((const float *)v + i), pv,
-                                                    _mm256_loadu_ps(o + i)));
+#ifdef VW
+    if (d % VW == 0) {
+        const vf pv = vf_set1(p);
+        for (int64_t i = 0; i < d; i += VW)
+            vf_store(o + i, vf_fma(bf ? ld_bf16((const uint16_t *)v + i) : ld_f32((const float *)v + i), pv, vf_load(o + i)));
         return;
     }
 #endif
@@ -1378,26 +1272,10 @@ static inline float gemm_dot_tail(const GemmJob *j, const float *a, int64_t n, i
     return s;
 }
 
-#if defined(WIDE_AVX512)
-#define DOT_VW 16
-typedef __m512 dvec;
-static inline dvec dv_zero(void) { return _mm512_setzero_ps(); }
-static inline dvec dv_ld(const float *p) { return _mm512_loadu_ps(p); }
-static inline dvec dv_ldb(const GemmJob *j, int64_t idx) {
-    return j->bfmt == FMT_BF16 ? ld_bf16((const uint16_t *)j->B + idx) : _mm512_loadu_ps((const float *)j->B + idx);
+#ifdef VW
+static inline vf gemm_ldb(const GemmJob *j, int64_t idx) {
+    return j->bfmt == FMT_BF16 ? ld_bf16((const uint16_t *)j->B + idx) : ld_f32((const float *)j->B + idx);
 }
-static inline dvec dv_fma(dvec a, dvec b, dvec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float dv_sum(dvec v) { return _mm512_reduce_add_ps(v); }
-#elif defined(WIDE_AVX2)
-#define DOT_VW 8
-typedef __m256 dvec;
-static inline dvec dv_zero(void) { return _mm256_setzero_ps(); }
-static inline dvec dv_ld(const float *p) { return _mm256_loadu_ps(p); }
-static inline dvec dv_ldb(const GemmJob *j, int64_t idx) {
-    return j->bfmt == FMT_BF16 ? ld_bf16((const uint16_t *)j->B + idx) : _mm256_loadu_ps((const float *)j->B + idx);
-}
-static inline dvec dv_fma(dvec a, dvec b, dvec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float dv_sum(dvec v) { return hsum8(v); }
 #endif
 
 static void gemm_dot_job(void *arg, int64_t part, int64_t parts) {
@@ -1412,18 +1290,18 @@ static void gemm_dot_job(void *arg, int64_t part, int64_t parts) {
             const float *a[4];
             for (int r = 0; r < 4; r++) a[r] = (const float *)gemm_arow(j, i0 + (r < mr ? r : 0));
             int64_t k = 0;
-#ifdef DOT_VW
-            dvec c[4][2];
-            for (int r = 0; r < 4; r++) c[r][0] = c[r][1] = dv_zero();
-            for (; k + DOT_VW <= j->K; k += DOT_VW) {
-                dvec b0 = dv_ldb(j, n * j->ldb + k), b1 = dv_ldb(j, n1 * j->ldb + k);
+#ifdef VW
+            vf c[4][2];
+            for (int r = 0; r < 4; r++) c[r][0] = c[r][1] = vf_zero();
+            for (; k + VW <= j->K; k += VW) {
+                vf b0 = gemm_ldb(j, n * j->ldb + k), b1 = gemm_ldb(j, n1 * j->ldb + k);
                 for (int r = 0; r < 4; r++) {
-                    dvec x = dv_ld(a[r] + k);
-                    c[r][0] = dv_fma(x, b0, c[r][0]);
-                    c[r][1] = dv_fma(x, b1, c[r][1]);
+                    vf x = vf_load(a[r] + k);
+                    c[r][0] = vf_fma(x, b0, c[r][0]);
+                    c[r][1] = vf_fma(x, b1, c[r][1]);
                 }
             }
-            for (int r = 0; r < 4; r++) s[r][0] = dv_sum(c[r][0]), s[r][1] = dv_sum(c[r][1]);
+            for (int r = 0; r < 4; r++) s[r][0] = vf_sum(c[r][0]), s[r][1] = vf_sum(c[r][1]);
 #else
             for (int r = 0; r < 4; r++) s[r][0] = s[r][1] = 0.f;
 #endif
