@@ -48,8 +48,9 @@ import json
 from pathlib import Path
 
 from wide_cli.errors import ConfigError
+from wide_cli.filenames import CONFIG_JSON, WIDE_CONFIG
 
-_CONFIG, _WIDE = "config.json", "wide_config.json"
+_CONFIG, _WIDE = CONFIG_JSON, WIDE_CONFIG
 
 #: feature -> (what it is, in the words of an error line; the export file that declares it).
 FEATURES: dict[str, tuple[str, str]] = {
