@@ -20,7 +20,9 @@
  * (wide_cli/quant.py), its bytes pair-interleaved (I8_LAYOUT): y[n] = sum_b s[n, b] sum_{k in b}
  * q[n, k] x[k]; where the CPU has AVX512-VNNI, x is itself rounded to int8 per block of 32 (Vec) and
  * the products are int8 x int8, as llama.cpp's Q8_0 does (AVX2: vpmaddubsw); without either,
- * x stays fp32.
+ * x stays fp32. int4 (FMT_I4) is llama.cpp's Q4_0 block (16 bytes per 32 channels, low nibbles
+ * the first 16, values q - 8) with one bf16 scale per row and block; its int4 x int8 kernel runs
+ * wherever AVX2 does.
  *
  * State: every entry point takes a context (WCtx, from wide_ctx_new) holding the thread pool and
  * the prepared-vector buffers; the file keeps no other mutable state than a fork counter.
@@ -52,10 +54,13 @@
 #include <immintrin.h>
 #define WIDE_AVX2 1 /* 8-lane twins of the AVX-512 kernels (int8 with fp32 activations, bf16 widened) */
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define WIDE_I4_SIMD 1 /* the int4 x int8 kernel (32-byte vectors; vpdpbusd where AVX512-VNNI/VL is) */
+#endif
 
-#define WIDE_DECODE_ABI 6
+#define WIDE_DECODE_ABI 7
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2 };
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_I4 = 3 };
 /* The step's counters (cnt[]): executed weight, attention and router multiply-adds, weight bytes
  * read (int8 scales included); runtime/cpu_native.py reads them in this order. */
 enum { CNT_MACS = 0, CNT_ATTN_MACS = 1, CNT_ROUTER_MACS = 2, CNT_WEIGHT_BYTES = 3, CNT_COUNT = 4 };
@@ -63,10 +68,10 @@ enum { CNT_MACS = 0, CNT_ATTN_MACS = 1, CNT_ROUTER_MACS = 2, CNT_WEIGHT_BYTES = 
 typedef struct {
     int64_t H, Hkv, d, ag, GA, fg, GF, window; /* window 0: none; ag: heads per attention group */
     int64_t blocked;                           /* bf16 o / down given as [GROUPS, D, g] blocks */
-    const void *qkv;  const float *qkv_s;     /* [(H + 2 Hkv) d, D]; int8: bf16 scales [N, D / 32] */
-    const void *o;    const float *o_s;       /* float: w_t [H d, D] or blocked; int8: q [GA, D, ag d], s [GA, D, ag d / 32] */
-    const void *gu;   const float *gu_s;      /* [GF 2 fg, D] group-major gate | up */
-    const void *down; const float *down_s;    /* float: w_t [GF fg, D]; int8: q [GF, D, fg], s [GF, D, fg / 32] */
+    const void *qkv;  const void *qkv_s;      /* [(H + 2 Hkv) d, D]; int8: fp32 scales [N, D / 32] (int4: bf16) */
+    const void *o;    const void *o_s;        /* float: w_t [H d, D] or blocked; int8: q [GA, D, ag d], s [GA, D, ag d / 32] */
+    const void *gu;   const void *gu_s;       /* [GF 2 fg, D] group-major gate | up */
+    const void *down; const void *down_s;     /* float: w_t [GF fg, D]; int8: q [GF, D, fg], s [GF, D, fg / 32]; int4 bytes g / 2 */
     const float *bqkv, *bo;                    /* fp32 biases or NULL */
     const float *ln_attn, *ln_ffn, *q_norm, *k_norm; /* fp32; q/k norms [d] or NULL */
     const float *ra_w, *ra_b, *rf_w, *rf_b;    /* folded routers [G, D], [G] or NULL */
@@ -81,7 +86,7 @@ typedef struct {
     const float *inv_freq;          /* [d / 2] */
     const void *embed;              /* [V, D] in the compute dtype */
     const float *final_norm;        /* [D] */
-    const void *head; const float *head_s;    /* [V, D] in head_fmt */
+    const void *head; const void *head_s;     /* [V, D] in head_fmt */
     WLayer *layers;
     double *stat_skipped, *stat_decisions;    /* [L, 2] float64 (SparsityStats) or NULL */
 } WModel;
@@ -253,6 +258,11 @@ static void dot_i8_blocks(const int8_t *W, const float *S, int64_t K, int64_t n,
  *   whenever the compute dtype is bf16 (the PyTorch path feeds bf16 activations to its GEMMs).
  * Both need K to be a multiple of the block; otherwise the fp32 kernels above run. */
 #define QBLOCK 32 /* activation block = weight scale block (wide_cli/quant.py INT8_BLOCK) */
+#ifdef WIDE_AVX2
+#define I8_QUANT_ACT 1 /* the AVX2 int8 kernel reads rounded activations (AVX-512 without VNNI: fp32) */
+#else
+#define I8_QUANT_ACT 0
+#endif
 
 typedef struct {
     const float *x;
@@ -284,7 +294,7 @@ static int vec_reserve(VecBuf *b, int64_t K) {
 static Vec prepare_vec(VecBuf *vb, int64_t fmt, const float *x, int64_t K) {
     Vec v = {x, K, NULL, NULL, NULL};
 #ifdef WIDE_VNNI
-    if (fmt == FMT_I8 && K % QBLOCK == 0 && K <= vb->cap) {
+    if ((fmt == FMT_I8 || fmt == FMT_I4) && K % QBLOCK == 0 && K <= vb->cap) {
         const __m512 lim = _mm512_set1_ps(127.f);
         for (int64_t b = 0; b < K / QBLOCK; b++) {
             const __m512 x0 = _mm512_loadu_ps(x + b * QBLOCK), x1 = _mm512_loadu_ps(x + b * QBLOCK + 16);
@@ -302,14 +312,25 @@ static Vec prepare_vec(VecBuf *vb, int64_t fmt, const float *x, int64_t K) {
         }
         v.qa = vb->qa; v.qs = vb->qs;
     }
-#elif defined(WIDE_AVX2)
-    if (fmt == FMT_I8 && K % QBLOCK == 0 && K <= vb->cap) { /* the same rounding, scalar */
+#elif defined(WIDE_I4_SIMD)
+    if ((fmt == FMT_I4 || (fmt == FMT_I8 && I8_QUANT_ACT)) && K % QBLOCK == 0 && K <= vb->cap) { /* the same rounding, 8 lanes */
+        const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), lim = _mm256_set1_ps(127.f);
+        const __m256i unzip = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* packs interleave 128-bit halves */
         for (int64_t b = 0; b < K / QBLOCK; b++) {
             const float *xb = x + b * QBLOCK;
-            float amax = 0.f;
-            for (int64_t i = 0; i < QBLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            const float inv = amax > 0.f ? 127.0f / amax : 0.f;
-            for (int64_t i = 0; i < QBLOCK; i++) vb->qa[b * QBLOCK + i] = (int8_t)fmaxf(-127.f, fminf(127.f, nearbyintf(xb[i] * inv)));
+            __m256 xv[4], m = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) { xv[i] = _mm256_loadu_ps(xb + 8 * i); m = _mm256_max_ps(m, _mm256_and_ps(xv[i], absm)); }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+            const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.0f / amax : 0.f);
+            __m256i qi[4];
+            for (int i = 0; i < 4; i++) { /* round to nearest even, then |q| <= 127 */
+                const __m256 q = _mm256_round_ps(_mm256_mul_ps(xv[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                qi[i] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(q, lim), _mm256_sub_ps(_mm256_setzero_ps(), lim)));
+            }
+            const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+            _mm256_storeu_si256((__m256i *)(vb->qa + b * QBLOCK), _mm256_permutevar8x32_epi32(p16, unzip));
             vb->qs[b] = amax / 127.0f;
         }
         v.qa = vb->qa; v.qs = vb->qs;
@@ -485,8 +506,124 @@ static void dot_i8_q_avx2(const int8_t *W, const float *S, int64_t K, int64_t n,
 }
 #endif
 
-/* y[i] = W[r0 + i] . v for rows [r0, r1) of an axis-n projection (int8: S [N, K / 32] scales). */
-static void rows_dot(int64_t fmt, const void *W, const float *S, int64_t K, int64_t r0, int64_t r1,
+/* int4 rows (FMT_I4: per block of 32 channels 16 bytes, byte j = (q[j] + 8) | (q[16 + j] + 8) << 4,
+ * one bf16 scale per (row, block)): y[r] = sum_b S[r, b] sum_{k in b} q[r, k] x[k], fp32 x
+ * (portable). */
+static void dot_i4_blocks(const uint8_t *W, const uint16_t *S, int64_t K, int64_t n, const float *x, float *y) {
+    const int64_t nb = K / 32;
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *w = W + r * (K / 2);
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; b++) {
+            float sb = 0.f;
+            for (int64_t j = 0; j < 16; j++) {
+                const uint8_t u = w[16 * b + j];
+                sb += (float)((int)(u & 15) - 8) * x[32 * b + j] + (float)((int)(u >> 4) - 8) * x[32 * b + 16 + j];
+            }
+            acc += sb * bf16_to_f32(S[r * nb + b]);
+        }
+        y[r] = acc;
+    }
+}
+
+#ifdef WIDE_I4_SIMD
+/* 32 int4 weights of one block (16 bytes) as signed bytes -8..7 in channel order. */
+static inline __m256i i4_block(const uint8_t *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(15);
+    const __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4), _mm_and_si128(b, m4));
+    return _mm256_sub_epi8(u, _mm256_set1_epi8(8));
+}
+
+/* Sum of the 32 products w * q as 8 int32 lanes: |q| times w with q's sign moved onto it (as
+ * llama.cpp's Q4_0 x Q8_0 on AVX2; vpdpbusd in one instruction where AVX512-VNNI/VL exist). */
+static inline __m256i i4_dot32(__m256i w, __m256i qa, __m256i qsgn) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), qa, _mm256_sign_epi8(w, qsgn));
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(qa, _mm256_sign_epi8(w, qsgn)), _mm256_set1_epi16(1));
+#endif
+}
+
+#define I4_MAX_K 16384 /* widths dot_i4_q regroups on its stack; wider ones run dot_i4_blocks */
+
+/* int4 x int8: the activations rounded to int8 per block of 32 (Vec.qa natural order, qs). Per pair
+ * of blocks the 32 weight bytes are one load: low nibbles are channels 0-15 of both blocks, high
+ * nibbles channels 16-31, so the activations are regrouped the same way once per call (xr), and
+ * the unsigned nibbles u = q + 8 multiply them directly (vpmaddubsw; vpdpbusd with AVX512-VNNI/VL).
+ * Per 8 blocks, three horizontal adds turn the 4 pairs' int32 lanes into one sum per block, minus
+ * 8 x the block's activation sum (the -8 offset, exact in int32, as llama.cpp folds it), then one
+ * fma with the 8 scale products. S is read 8 bf16 at a time: the scale tensor must have 8 readable
+ * values past its last row (runtime/cpu_proj.py pads it); lanes past nb multiply zero. */
+static void dot_i4_q(const uint8_t *W, const uint16_t *S, int64_t K, int64_t n, const int8_t *qx, const float *qs, float *y) {
+    const int64_t nb = K / QBLOCK, rb = K / 2, npair = nb / 2, nch = (nb + 7) / 8;
+    _Alignas(32) int8_t xr[I4_MAX_K];
+    _Alignas(32) float qsp[I4_MAX_K / 32 + 8];
+    _Alignas(32) int32_t crp[I4_MAX_K / 32 + 8];
+    /* the activations regrouped per pair, and per 8 blocks their scales and offsets in the order the
+     * horizontal adds leave the blocks in: 0 2 4 6 1 3 5 7 */
+    for (int64_t p = 0; p < npair; p++) {
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(qx + 64 * p));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(qx + 64 * p + 32));
+        _mm256_store_si256((__m256i *)(xr + 64 * p), _mm256_permute2x128_si256(x0, x1, 0x20));
+        _mm256_store_si256((__m256i *)(xr + 64 * p + 32), _mm256_permute2x128_si256(x0, x1, 0x31));
+    }
+    static const int ORDER[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+    for (int64_t c = 0; c < nch; c++)
+        for (int k = 0; k < 8; k++) {
+            const int64_t b = 8 * c + ORDER[k];
+            int32_t sum = 0;
+            if (b < 2 * npair)
+                for (int64_t e = 0; e < QBLOCK; e++) sum += qx[b * QBLOCK + e];
+            crp[8 * c + k] = 8 * sum;
+            qsp[8 * c + k] = b < 2 * npair ? qs[b] : 0.f;
+        }
+    const __m256i m4 = _mm256_set1_epi8(15), order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *w = W + r * rb;
+        const uint16_t *sr = S + r * nb;
+        __m256 tot = _mm256_setzero_ps();
+        _mm_prefetch((const char *)(sr + nb), _MM_HINT_T0);
+        for (int64_t c = 0; c < nch; c++) {
+            __m256i d[4];
+            for (int q = 0; q < 4; q++) {
+                const int64_t p = 4 * c + q;
+                if (p >= npair) { d[q] = _mm256_setzero_si256(); continue; }
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * p));
+                const __m256i lo = _mm256_and_si256(wv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+                const __m256i xl = _mm256_load_si256((const __m256i *)(xr + 64 * p));
+                const __m256i xh = _mm256_load_si256((const __m256i *)(xr + 64 * p + 32));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                d[q] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xl), hi, xh);
+#else
+                /* u <= 15 times |x| <= 127: each pair sum <= 3810, two of them fit int16 */
+                d[q] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), ones);
+#endif
+            }
+            const __m256i h = _mm256_sub_epi32(_mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3])),
+                                               _mm256_load_si256((const __m256i *)(crp + 8 * c)));
+            const __m256i s16 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sr + 8 * c)));
+            const __m256 sw = _mm256_permutevar8x32_ps(_mm256_castsi256_ps(_mm256_slli_epi32(s16, 16)), order);
+            tot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sw, _mm256_load_ps(qsp + 8 * c)), tot);
+        }
+        if (nb % 2) { /* the trailing block, signed values (no offset to remove) */
+            const int64_t b = nb - 1;
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * b)), a = _mm256_sign_epi8(x, x);
+            const __m256i acc = i4_dot32(i4_block(w + 16 * b), a, x);
+            tot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(bf16_to_f32(sr[b]) * qs[b]), tot);
+        }
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(tot), _mm256_extractf128_ps(tot, 1));
+        const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        y[r] = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+    }
+}
+#endif
+
+/* y[i] = W[r0 + i] . v for rows [r0, r1) of an axis-n projection (int8: S [N, K / 32] fp32
+ * scales; int4: bf16). */
+static void rows_dot(int64_t fmt, const void *W, const void *S, int64_t K, int64_t r0, int64_t r1,
                      const Vec *v, float *y) {
     int64_t n = r1 - r0;
     if (n <= 0) return;
@@ -496,9 +633,16 @@ static void rows_dot(int64_t fmt, const void *W, const float *S, int64_t K, int6
         if (v->xb) { dot_bf16_dp((const uint16_t *)W + r0 * K, K, n, v->xb, y); return; }
 #endif
         dot_bf16((const uint16_t *)W + r0 * K, K, n, v->x, y);
+    } else if (fmt == FMT_I4) {
+        const uint8_t *Wq = (const uint8_t *)W + r0 * (K / 2);
+        const uint16_t *Sr = (const uint16_t *)S + r0 * (K / QBLOCK);
+#ifdef WIDE_I4_SIMD
+        if (v->qa && K <= I4_MAX_K) { dot_i4_q(Wq, Sr, K, n, v->qa, v->qs, y); return; }
+#endif
+        dot_i4_blocks(Wq, Sr, K, n, v->x, y);
     } else {
         const int8_t *Wq = (const int8_t *)W + r0 * K;
-        const float *Sr = S + r0 * (K / QBLOCK);
+        const float *Sr = (const float *)S + r0 * (K / QBLOCK);
 #ifdef WIDE_VNNI
         if (v->qa) dot_i8_vnni(Wq, Sr, K, n, v, y);
         else
@@ -680,7 +824,7 @@ typedef struct {
     int64_t kind; /* 0 rows_dot, 1 float axis-k (w_t), 2 axis-k in per-group blocks (int8, bf16) */
     int64_t fmt, K, r0, r1, N, g, nruns;
     const void *W;
-    const float *S;
+    const void *S;       /* scales: fp32 (int8), bf16 (int4) or NULL */
     const Vec *x;        /* kind 0: the input; kind 2: the activations of the whole reduction axis */
     float *y;
     const int64_t *runs; /* kind 1, 2: [nruns][2] group runs [j0, j1) */
@@ -722,13 +866,15 @@ static void proj_job(void *arg, int64_t part, int64_t parts) {
             else
                 axpy_bf16((const uint16_t *)j->W + c0 * j->N + lo, j->N, hi - lo, C, j->a + c0, j->y + lo);
         } else {
-            /* blocks [GROUPS, N, g] (int8 with scales s [GROUPS, N], or bf16): rows [lo, hi) of
-             * each active block */
+            /* blocks [GROUPS, N, g] (int8 / int4 with scales s [GROUPS, N, g / 32], or bf16): rows
+             * [lo, hi) of each active block */
             float tmp[256];
             for (int64_t jj = j0; jj < j1; jj++) {
-                const size_t esz = j->fmt == FMT_I8 ? 1 : 2;
-                const void *q = (const char *)j->W + (size_t)(jj * j->N * j->g) * esz;
-                const float *s = j->S ? j->S + jj * j->N * (j->g / QBLOCK) : NULL; /* [N, g / 32] */
+                /* bytes of a block row: int8 g, int4 g / 2, bf16 2 g */
+                const size_t rowb = j->fmt == FMT_I8 ? (size_t)j->g : j->fmt == FMT_I4 ? (size_t)j->g / 2 : 2 * (size_t)j->g;
+                const void *q = (const char *)j->W + (size_t)(jj * j->N) * rowb;
+                const size_t soff = (size_t)(jj * j->N * (j->g / QBLOCK)) * (j->fmt == FMT_I4 ? 2 : 4);
+                const void *s = j->S ? (const char *)j->S + soff : NULL; /* [N, g / 32] */
                 Vec vj = vec_slice(j->x, jj * j->g, j->g);
                 for (int64_t r0 = lo; r0 < hi; r0 += 256) {
                     int64_t r1 = r0 + 256 < hi ? r0 + 256 : hi;
@@ -742,7 +888,7 @@ static void proj_job(void *arg, int64_t part, int64_t parts) {
 
 /* y[r] = W[r] . x for the rows r of the ranges [runs[2i], runs[2i+1]) (y indexed by row), one
  * dispatch to the pool for all of them. */
-static void run_rows_set(Pool *p, int64_t fmt, const void *W, const float *S, int64_t K, const int64_t *runs,
+static void run_rows_set(Pool *p, int64_t fmt, const void *W, const void *S, int64_t K, const int64_t *runs,
                          int64_t nruns, const Vec *x, float *y) {
     int64_t total = 0;
     for (int64_t r = 0; r < nruns; r++) total += runs[2 * r + 1] - runs[2 * r];
@@ -752,18 +898,18 @@ static void run_rows_set(Pool *p, int64_t fmt, const void *W, const float *S, in
     else proj_job(&j, 0, 1);
 }
 
-static void run_rows(Pool *p, int64_t fmt, const void *W, const float *S, int64_t K, int64_t r0, int64_t r1,
+static void run_rows(Pool *p, int64_t fmt, const void *W, const void *S, int64_t K, int64_t r0, int64_t r1,
                      const Vec *x, float *y) {
     const int64_t range[2] = {r0, r1};
     run_rows_set(p, fmt, W, S, K, range, 1, x, y - r0);
 }
 
 /* y[0:N] += a[groups] @ W[groups] for the runs of active groups (axis-k projection); blocked:
- * W is [GROUPS, N, g] (always for int8; bf16 when the caller laid it out so), else w_t [K, N]. */
-static void run_k(Pool *p, int64_t fmt, int64_t blocked, const void *W, const float *S, int64_t N, int64_t g,
+ * W is [GROUPS, N, g] (always for int8 / int4; bf16 when the caller laid it out so), else w_t [K, N]. */
+static void run_k(Pool *p, int64_t fmt, int64_t blocked, const void *W, const void *S, int64_t N, int64_t g,
                   const int64_t *runs, int64_t nruns, const Vec *a, float *y) {
     if (nruns == 0) return;
-    ProjJob j = {blocked || fmt == FMT_I8 ? 2 : 1, fmt, 0, 0, 0, N, g, nruns, W, S, a, y, runs, a->x};
+    ProjJob j = {blocked || fmt == FMT_I8 || fmt == FMT_I4 ? 2 : 1, fmt, 0, 0, 0, N, g, nruns, W, S, a, y, runs, a->x};
     if (p->n > 1) pool_run(p, proj_job, &j);
     else proj_job(&j, 0, 1);
 }
@@ -913,9 +1059,11 @@ static void attn_job(void *arg, int64_t part, int64_t parts) {
     }
 }
 
-/* Weight bytes (int8: with their scales) of `rows` rows of width K: what a projection reads. */
+/* Weight bytes (int8 / int4: with their scales) of `rows` rows of width K: what a projection reads. */
 static inline int64_t wbytes(int64_t fmt, int64_t rows, int64_t K) {
-    return fmt == FMT_I8 ? rows * K + rows * (K / QBLOCK) * 4 : rows * K * (fmt == FMT_F32 ? 4 : 2);
+    if (fmt == FMT_I8) return rows * K + rows * (K / QBLOCK) * 4;
+    if (fmt == FMT_I4) return rows * (K / 2) + rows * (K / QBLOCK) * 2;
+    return rows * K * (fmt == FMT_F32 ? 4 : 2);
 }
 
 /* Scratch floats one step needs (see wide_decode_step). */

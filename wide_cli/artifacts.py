@@ -268,7 +268,7 @@ class ExportInfo:
 
     @property
     def weight_format(self) -> str:
-        """How ``model.safetensors`` stores the projections: ``fp32`` (as saved) or ``int8``."""
+        """How ``model.safetensors`` stores the projections: ``fp32`` (as saved), ``int8`` or ``int4``."""
         return (self.wide_config.get("weight_format") or {}).get("format") or "fp32"
 
     @property

@@ -37,6 +37,7 @@ weights_fp32          +          +    +       +     +   +     +
 weights_bf16          +          +    +       +     +   +     +
 weights_fp16          +          +    +       +     +   +     +
 weights_int8          +          +    +       +     -   -     +
+weights_int4          +          +    +       +     -   -     +
 format_wide           +          +    +       +     -   +     +
 format_hf             +          +    +       +     +   +     -
 ====================  =========  ===  ======  ====  ==  ====  ====
@@ -71,6 +72,7 @@ FEATURES: dict[str, tuple[str, str]] = {
     "weights_bf16": ("bf16 weights", _CONFIG),
     "weights_fp16": ("fp16 weights", _CONFIG),
     "weights_int8": ("int8 weights (wide export --weights int8)", _WIDE),
+    "weights_int4": ("int4 weights (wide export --weights int4)", _WIDE),
     "format_wide": ("the wide export format (base config.json + routers.safetensors)", _WIDE),
     "format_hf": ("the hf export format (remote code, routers in the weight files)", _WIDE),
 }
@@ -79,6 +81,7 @@ FEATURES: dict[str, tuple[str, str]] = {
 FIXES: dict[str, str] = {
     "static_width_compact": "use the run's --format wide export (`wide export --run-dir R`)",
     "weights_int8": "export fp32 weights (`wide export` without --weights int8)",
+    "weights_int4": "export fp32 weights (`wide export` without --weights int4)",
 }
 
 #: implementation -> (its name in an error line, what to use instead when it refuses).
@@ -103,15 +106,17 @@ SUPPORT: dict[str, frozenset[str]] = {
     "cpu": frozenset(FEATURES.keys() - _RUNTIME_LACKS),
     "native": frozenset(FEATURES.keys() - _RUNTIME_LACKS),
     "cupy": frozenset(FEATURES.keys() - _RUNTIME_LACKS),
-    # an hf export is never int8 nor --format wide; static width is narrowed physically in it
+    # an hf export is never int8 / int4 nor --format wide; static width is narrowed physically in it
     # (write_hf), and static depth is a plain checkpoint that needs no modeling code
-    "hf": frozenset(FEATURES.keys() - {"static_depth", "static_width_keep", "weights_int8", "format_wide"}),
+    "hf": frozenset(FEATURES.keys() - {"static_depth", "static_width_keep", "weights_int8", "weights_int4",
+                                                  "format_wide"}),
     # the routed FFN op has no biases; vLLM's RoPE is not transformers' length-dependent one;
-    # int8 weights are wide's own layout
-    "vllm": frozenset(FEATURES.keys() - {"static_width_compact", "mlp_bias", "rope_dynamic", "weights_int8"}),
+    # int8 / int4 weights are wide's own layouts
+    "vllm": frozenset(FEATURES.keys() - {"static_width_compact", "mlp_bias", "rope_dynamic", "weights_int8",
+                                         "weights_int4"}),
     # llama.cpp's ``llama`` graph as runtime/gguf_writer.py writes it: a plain dense Llama
     "gguf": frozenset({"dropped_layers", "static_depth", "weights_fp32", "weights_bf16", "weights_fp16",
-                       "weights_int8", "format_wide"}),
+                       "weights_int8", "weights_int4", "format_wide"}),
 }
 
 
@@ -185,8 +190,9 @@ def export_features(config: dict, wide_config: dict | None = None) -> frozenset:
         out.add("rope_dynamic")
     elif rope_type != "default":
         out.add("rope_scaled")
-    if (wc.get("weight_format") or {}).get("format") == "int8":
-        out.add("weights_int8")
+    qfmt = (wc.get("weight_format") or {}).get("format")
+    if qfmt in ("int8", "int4"):
+        out.add(f"weights_{qfmt}")
     else:
         dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
         out.add({"bfloat16": "weights_bf16", "float16": "weights_fp16"}.get(dtype, "weights_fp32"))

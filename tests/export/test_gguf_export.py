@@ -32,7 +32,7 @@ def static_depth_run(tmp_path_factory):
     return run, root / "export"
 
 
-@pytest.mark.parametrize("weights,gtype", [("fp32", "F16"), ("int8", "Q8_0")])
+@pytest.mark.parametrize("weights,gtype", [("fp32", "F16"), ("int8", "Q8_0"), ("int4", "Q4_0")])
 def test_static_depth_run_exports_one_gguf_file_with_its_weights(static_depth_run, tmp_path, weights, gtype):
     import gguf
     from gguf.quants import dequantize
@@ -51,7 +51,9 @@ def test_static_depth_run_exports_one_gguf_file_with_its_weights(static_depth_ru
     t = tensors["blk.0.ffn_down.weight"]
     want = st["model.layers.0.mlp.down_proj.weight"]
     got = torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(want.shape).copy())
-    tol = 2e-3 if gtype == "F16" else 0.6 * float(want.abs().max()) / 127
+    # F16 rounding; half a step of the block's scale for Q8_0 (max |w| / 127); up to a whole step
+    # for Q4_0 (max |w| / 8), whose +8 clips to 7
+    tol = {"F16": 2e-3, "Q8_0": 0.6 * float(want.abs().max()) / 127, "Q4_0": 1.1 * float(want.abs().max()) / 8}[gtype]
     assert float((got - want).abs().max()) <= tol
 
 

@@ -270,14 +270,15 @@ def test_standin_hybrid_hf_export_matches_the_reference_backend_without_wide(tmp
     assert res["tokens"] == rt.generate([IDS[0].tolist()], max_new_tokens=10, ignore_eos=True).tokens[0]
 
 
-def test_hf_export_refuses_int8_weights_before_writing(tmp_path):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_hf_export_refuses_quantized_weights_before_writing(fmt, tmp_path):
     from wide_cli.features import UnsupportedFeature
 
     model, cfg = _routed()
-    with pytest.raises(UnsupportedFeature, match=r"int8 weights .* is not supported by the hf export's modeling code"):
-        export_model(model, char_tokenizer(), tmp_path / "hf_int8", wide_config={"routing": cfg.to_dict()},
-                     export_format="hf", weight_format="int8")
-    assert not (tmp_path / "hf_int8").exists()
+    with pytest.raises(UnsupportedFeature, match=rf"{fmt} weights .* is not supported by the hf export's modeling code"):
+        export_model(model, char_tokenizer(), tmp_path / f"hf_{fmt}", wide_config={"routing": cfg.to_dict()},
+                     export_format="hf", weight_format=fmt)
+    assert not (tmp_path / f"hf_{fmt}").exists()
 
 
 # ----------------------------------------------------------------------------- static width

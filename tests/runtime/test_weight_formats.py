@@ -1,5 +1,5 @@
-"""Weight formats of the cpu backend (fp32, bf16, int8 weight-only) against the reference backend,
-the int8 quantizer's error bound, the bytes a routed step reads, and int8 exports.
+"""Weight formats of the cpu backend (fp32, bf16, int8 and int4 weight-only) against the reference
+backend, the quantizers' error bounds, the bytes a routed step reads, and quantized exports.
 
 Tolerances: both sides of a bf16/int8 comparison compute with bf16 activations (8 significant
 bits: every rounding is off by up to 2^-9 relative), in a different order (fused QKV, per-group
@@ -7,7 +7,9 @@ GEMMs, the int8 kernel's per-group bf16 outputs summed in fp32 vs one bf16 GEMM)
 tiny models that reaches ~1 % of the logit range (HF's own bf16 model is 1.6 % off its fp32
 logits on the same models); atol is 3 % of the range. The int8 reference runs the very same int8
 values (``fake_quantize``: dequantized weights), so the tolerance covers only activation rounding,
-not quantization error.
+not quantization error; int4 likewise, with 4 %: where a batch-1 step runs natively, its int4 x int8
+kernel rounds the activations to int8 per block of 32 (as the int8 one does), which on these
+2-layer random models reached 2.7 % (int8) and 3.3 % (int4) of the largest logit.
 """
 
 from __future__ import annotations
@@ -18,10 +20,22 @@ import pytest
 import torch
 
 from wide_cli.errors import CheckpointError, ConfigError
-from wide_cli.quant import dequantize_int8, quantize_int8
+from wide_cli.quant import (
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 from wide_cli.runtime.engine import Runtime
 
 REL_ATOL = 0.03
+INT4_REL_ATOL = 0.04
+
+
+def rel_atol(fmt: str) -> float:
+    """The relative logit tolerance of a low-precision format (see the module docstring)."""
+    return INT4_REL_ATOL if fmt == "int4" else REL_ATOL
 
 
 def _prompts(lengths, seed=7):
@@ -59,11 +73,63 @@ def test_int8_requantizing_dequantized_weights_is_exact():
     assert torch.equal(q, q2) and torch.equal(s, s2)
 
 
+def _q4_0_reference(w: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's ``quantize_row_q4_0_ref`` dequantized, elementwise in plain Python: per block of
+    32, d = (the signed value of largest magnitude) / -8, q = min(15, int(x / d + 8.5)), value
+    (q - 8) d (with d rounded to bf16 here, as the scheme stores it)."""
+    out = torch.empty_like(w)
+    for r in range(w.shape[0]):
+        for b in range(w.shape[1] // 32):
+            blk = w[r, 32 * b : 32 * b + 32].tolist()
+            m = max(blk, key=abs)
+            d = float(torch.tensor(m / -8).bfloat16()) if m else 1.0
+            for i, x in enumerate(blk):
+                q = min(15, int(x / d + 8.5)) if m else 8
+                out[r, 32 * b + i] = (q - 8) * d
+    return out
+
+
+def test_int4_layout_and_error_bound():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 96, generator=g) * torch.logspace(-3, 1, 24)[:, None]
+    w[3] = 0.0  # an all-zero row
+    packed, s = quantize_int4(w)
+    assert packed.dtype == torch.uint8 and packed.shape == (24, 48) and s.shape == (24, 3)
+    assert torch.equal(s, s.bfloat16().float()) and bool((s != 0).all())
+    q = unpack_int4(packed)
+    assert int(q.min()) >= -8 and int(q.max()) <= 7 and bool((q[3] == 0).all())
+    # Q4_0's byte order: in block b, byte j holds channel 32b + j (low nibble) and 32b + 16 + j (high)
+    assert int(packed[0, 16 + 5]) == (int(q[0, 32 + 5]) + 8) | (int(q[0, 48 + 5]) + 8) << 4
+    err = (w - dequantize_int4(packed, s)).abs().reshape(24, 3, 32)
+    assert bool((err <= s.abs()[..., None] * (1 + 1e-6)).all())  # half a step, or one where q clips at 7
+    # the searched scale is never worse than Q4_0's single rule, block by block
+    sse = (w - dequantize_int4(packed, s)).square().reshape(24, 3, 32).sum(-1)
+    sse_q40 = (w - _q4_0_reference(w)).square().reshape(24, 3, 32).sum(-1)
+    assert bool((sse <= sse_q40 * (1 + 1e-5) + 1e-12).all()) and float(sse.sum()) < float(sse_q40.sum())
+
+
+def test_int4_with_the_q4_0_divisor_is_llama_cpp_q4_0():
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
+    got = dequantize_int4(*quantize_int4(w, divisors=(-8.0,)))
+    torch.testing.assert_close(got, _q4_0_reference(w), atol=0, rtol=0)
+
+
+def test_int4_requantizing_dequantized_weights_is_exact():
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(1)) * 0.02
+    v = dequantize_int4(*quantize_int4(w))
+    assert torch.equal(dequantize_int4(*quantize_int4(v)), v)
+
+
+def test_int4_refuses_a_width_off_the_block():
+    with pytest.raises(ValueError, match="multiple of 32, got 48"):
+        quantize_int4(torch.zeros(4, 48))
+
+
 # ----------------------------------------------------------------------------------------------
 # each format: cpu against reference (same format), prefill (both GEMM strategies) + decode
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("p_skip", [0.0, 0.5, 1.0])
 def test_cpu_format_matches_reference(fmt, p_skip, routed_model, random_masks):
     model = routed_model("qwen2")  # q/k/v biases: a bias must not leak into skipped groups
@@ -77,7 +143,7 @@ def test_cpu_format_matches_reference(fmt, p_skip, routed_model, random_masks):
     ref.forced = cpu.forced = random_masks(model, B, T + steps, p_skip, seed=5)
     cr, cc = ref.new_cache(B, T + steps), cpu.new_cache(B, T + steps)
     lr, lc = ref.step(ids, None, cr), cpu.step(ids, None, cc)
-    atol = 1e-4 if fmt == "fp32" else REL_ATOL * float(lr.abs().max())
+    atol = 1e-4 if fmt == "fp32" else rel_atol(fmt) * float(lr.abs().max())
     torch.testing.assert_close(lc, lr, atol=atol, rtol=0)
     for _ in range(steps):
         nxt = lr.argmax(-1)[:, None]
@@ -122,7 +188,7 @@ def _group_spans(p, kind: str, j: int, cols: int, quantized: bool = False) -> li
     return [rng(p.w_t[j * cols : (j + 1) * cols])]
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
 def test_skipped_groups_read_no_weight_bytes(fmt, routed_model):
     model = routed_model("llama")
     rt = Runtime.from_model(model, backend="cpu", weight_format=fmt)
@@ -186,12 +252,17 @@ def test_executed_macs_of_a_dense_step_match_the_weights(routed_model):
 # bad input
 
 
-def test_int8_refuses_widths_the_kernel_cannot_take(routed_model):
-    model = routed_model("llama", fgs=16)  # FFN groups of 16 channels: int8 blocks are 32 wide
-    with pytest.raises(ConfigError, match="multiples of 32.*down_proj.*has 16"):
-        Runtime.from_model(model, backend="cpu", weight_format="int8")
-    with pytest.raises(ConfigError, match="unknown weight format 'int4'"):
-        Runtime.from_model(model, backend="cpu", weight_format="int4")
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_formats_refuse_widths_the_kernels_cannot_take(fmt, routed_model):
+    model = routed_model("llama", fgs=16)  # FFN groups of 16 channels: the blocks are 32 wide
+    with pytest.raises(ConfigError, match=f"{fmt} weights need .*multiples of 32.*down_proj.*has 16"):
+        Runtime.from_model(model, backend="cpu", weight_format=fmt)
+
+
+def test_unknown_and_conflicting_formats_are_refused(routed_model):
+    model = routed_model("llama")
+    with pytest.raises(ConfigError, match="unknown weight format 'int2'"):
+        Runtime.from_model(model, backend="cpu", weight_format="int2")
     with pytest.raises(ConfigError, match="--weights int8 computes in bfloat16"):
         Runtime.from_model(model, backend="cpu", weight_format="int8", dtype=torch.float32)
 
@@ -211,42 +282,49 @@ def test_cli_weights_flag(tiny_export):
     d = gen("--weights", "int8")
     assert d["weights"] == "int8" and d["dtype"] == "bfloat16" and len(d["tokens"][0]) == 4
     assert gen("--weights", "bf16")["dtype"] == "bfloat16"
-    assert main(["generate", str(tiny_export), "-p", "x", "--weights", "int4"]) == 2
+    d = gen("--weights", "int4")
+    assert d["weights"] == "int4" and d["dtype"] == "bfloat16" and len(d["tokens"][0]) == 4
+    assert main(["generate", str(tiny_export), "-p", "x", "--weights", "int2"]) == 2
 
 
 # ----------------------------------------------------------------------------------------------
-# int8 exports
+# quantized exports
 
 
-def _int8_export(model, path, write_export):
-    """Write ``model`` as an fp32 export, then as an int8 export at ``path``."""
+def _quantized_export(model, path, write_export, fmt="int8"):
+    """Write ``model`` as an fp32 export, then as an ``fmt`` (int8 / int4) export at ``path``."""
     from wide_cli.export import export_model
     from wide_cli.models.tiny import char_tokenizer
 
     write_export(model, path.parent / "fp32")
     wc = json.loads((path.parent / "fp32" / "wide_config.json").read_text())
     wc = {k: wc[k] for k in ("method", "routing", "layout", "measured_sparsity", "source_model")}
-    export_model(model, char_tokenizer(), path, wide_config=wc, weight_format="int8")
+    export_model(model, char_tokenizer(), path, wide_config=wc, weight_format=fmt)
     return path
 
 
-def test_int8_export_round_trip(routed_model, write_export, tmp_path):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_export_round_trip(fmt, routed_model, write_export, tmp_path):
     from safetensors.torch import load_file
 
     model = routed_model("llama")
-    path = _int8_export(model, tmp_path / "int8", write_export)
+    path = _quantized_export(model, tmp_path / fmt, write_export, fmt)
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["weight_format"] == "int8"
-    assert json.loads((path / "wide_config.json").read_text())["weight_format"]["format"] == "int8"
+    assert manifest["weight_format"] == fmt
+    assert json.loads((path / "wide_config.json").read_text())["weight_format"]["format"] == fmt
     st = load_file(str(path / "model.safetensors"))
-    assert st["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
-    assert st["model.layers.0.mlp.down_proj.weight_scale"].shape == (64, 128 // 32)  # per row and block of 32
+    down = st["model.layers.0.mlp.down_proj.weight"]
+    assert down.dtype == (torch.int8 if fmt == "int8" else torch.uint8)
+    assert down.shape == ((64, 128) if fmt == "int8" else (64, 64))  # int4: two per byte
+    scale = st["model.layers.0.mlp.down_proj.weight_scale"]
+    assert scale.shape == (64, 128 // 32) and scale.dtype == (torch.float32 if fmt == "int8" else torch.bfloat16)
     assert st["model.layers.0.self_attn.q_proj.weight_scale"].shape == (64, 64 // 32)
-    assert (path / "model.safetensors").stat().st_size < 0.4 * (tmp_path / "fp32" / "model.safetensors").stat().st_size
+    ratio = (path / "model.safetensors").stat().st_size / (tmp_path / "fp32" / "model.safetensors").stat().st_size
+    assert ratio < (0.4 if fmt == "int8" else 0.25), ratio
     rt = Runtime.from_export(path)
-    assert rt.weight_format == "int8" and rt.dtype == torch.bfloat16
-    want = Runtime.from_model(model, backend="cpu", weight_format="int8")
-    # same int8 values as quantizing the float model in memory
+    assert rt.weight_format == fmt and rt.dtype == torch.bfloat16
+    want = Runtime.from_model(model, backend="cpu", weight_format=fmt)
+    # same quantized values as quantizing the float model in memory
     for a, b in zip(rt.layers, want.layers):
         for pa, pb in ((a.qkv, b.qkv), (a.o, b.o), (a.gu, b.gu), (a.down, b.down)):
             assert torch.equal(pa.q, pb.q) and torch.equal(pa.s, pb.s)
@@ -254,24 +332,28 @@ def test_int8_export_round_trip(routed_model, write_export, tmp_path):
     torch.testing.assert_close(rt.forward(ids), want.forward(ids), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("edit", ["missing", "mismatched"])
-def test_int8_export_with_bad_scale_is_refused(edit, routed_model, write_export, tmp_path):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("edit", ["missing", "mismatched", "zero"])
+def test_quantized_export_with_bad_scale_is_refused(fmt, edit, routed_model, write_export, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from wide_cli.cli.app import main
     from wide_cli.export.manifest import write_manifest
 
-    path = _int8_export(routed_model("llama"), tmp_path / "int8", write_export)
+    path = _quantized_export(routed_model("llama"), tmp_path / fmt, write_export, fmt)
     f = path / "model.safetensors"
     st = load_file(str(f))
     name = "model.layers.1.mlp.down_proj.weight_scale"
     if edit == "missing":
         del st[name]
+    elif edit == "mismatched":
+        st[name] = st[name][:, :3].contiguous()  # 3 blocks do not fit 128 channels
     else:
-        st[name] = st[name][:, :3].contiguous()  # 3 groups do not divide 128 channels
+        st[name] = st[name].clone()
+        st[name][0, 0] = 0
     save_file(st, str(f), metadata={"format": "pt"})
     manifest = json.loads((path / "manifest.json").read_text())
-    write_manifest(path, export_id=manifest["export_id"], weight_format="int8")  # re-hashed: a hand edit
+    write_manifest(path, export_id=manifest["export_id"], weight_format=fmt)  # re-hashed: a hand edit
     with pytest.raises(CheckpointError, match="down_proj.weight"):
         Runtime.from_export(path)
     assert main(["generate", str(path), "-p", "x", "--max-new-tokens", "1"]) == 2

@@ -28,7 +28,7 @@ class BenchConfig:
             batch-1 shapes only).
         dense_backend: backend of the ``dense`` system.
         dtype: ``fp32`` / ``bf16``: shorthand for ``weights`` (None = fp32).
-        weights: weight formats of the runtime systems (``fp32``, ``bf16``, ``int8``); HF runs the
+        weights: weight formats of the runtime systems (``fp32``, ``bf16``, ``int8``, ``int4``); HF runs the
             float ones (fp32, bf16).
         threads: torch intra-op thread counts, each measured in turn (0 = torch's default). The
             default is 1: on a shared CPU, OpenMP barriers stall whenever another process holds
@@ -76,7 +76,7 @@ class BenchConfig:
         if self.weights is None:
             object.__setattr__(self, "weights", ("bf16",) if self.dtype == "bf16" else ("fp32",))
         elif self.dtype is not None:
-            raise ConfigError("--dtype and --weights both given", "use --weights (fp32, bf16, int8) alone")
+            raise ConfigError("--dtype and --weights both given", "use --weights (fp32, bf16, int8, int4) alone")
         for w in self.weights:
             check_format(w)
         for t in self.llama_cpp_types:

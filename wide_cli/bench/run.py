@@ -16,7 +16,8 @@ from wide_cli.bench.systems import HFSystem, LlamaCppSystem, RuntimeSystem
 from wide_cli.bench.workload import prompt_batch, text_token_stream
 from wide_cli.errors import ConfigError
 from wide_cli.runtime.cpu_proj import prefill_path
-from wide_cli.runtime.gguf_writer import BYTES_PER_WEIGHT
+from wide_cli.runtime.gguf_writer import BYTES_PER_WEIGHT as GGUF_BYTES_PER_WEIGHT
+from wide_cli.runtime.quant import BYTES_PER_WEIGHT, COMPUTE_DTYPE, QUANTIZED_FORMATS
 
 
 def _label(kind: str, fmt: str, formats) -> str:
@@ -37,7 +38,6 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
     from wide_cli.models.loader import load_tokenizer
     from wide_cli.runtime.checkpoint import weights_from_export
     from wide_cli.runtime.engine import Runtime
-    from wide_cli.runtime.quant import COMPUTE_DTYPE
 
     log = log or (lambda msg: None)
     path = Path(path)
@@ -50,7 +50,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
         )
     if cfg.ppl_tokens and cfg.data_dir is None:
         raise ConfigError("--ppl-tokens needs the WikiText-2 data", "pass --data-dir (the folder holding wikitext-2-raw/)")
-    stored_int8 = weights.extra.get("weight_format") == "int8"
+    stored_quantized = weights.extra.get("weight_format") in QUANTIZED_FORMATS
 
     runtimes: dict[tuple[str, str, str], Runtime] = {}
 
@@ -68,8 +68,8 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
         for fmt in cfg.weights:
             label = _label(s, fmt, cfg.weights)
             if s == "hf":
-                if fmt == "int8" or stored_int8:
-                    continue  # transformers has no int8 weight-only CPU path for this export
+                if fmt in QUANTIZED_FORMATS or stored_quantized:
+                    continue  # transformers has no int8 / int4 weight-only CPU path for this export
                 log(f"loading {label}")
                 systems[(label, s, fmt)] = HFSystem(path, COMPUTE_DTYPE[fmt])
             elif s in ("dense", "dense-torch"):
@@ -80,8 +80,8 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                 systems[(label, s, fmt)] = RuntimeSystem(runtime_for("cpu", fmt, "torch"), True, cfg.forced_sparsity, cfg.seed,
                                                          native=False)  # fmt: skip
             elif s != "llama.cpp":
-                if fmt == "int8" and s != "cpu":
-                    continue  # int8 kernels exist in the cpu backend only
+                if fmt in QUANTIZED_FORMATS and s != "cpu":
+                    continue  # int8 / int4 kernels exist in the cpu backend only
                 systems[(label, s, fmt)] = RuntimeSystem(runtime_for(s, fmt), True, cfg.forced_sparsity, cfg.seed)
         if s == "llama.cpp":
             llama_types = list(cfg.llama_cpp_types)
@@ -172,7 +172,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                     if skips and sp_short:
                         ideal = (dcost.speedup_bound(sp_short) if phase == "decode"
                                  else flops_cost(weights, (L + 1) / 2).speedup_bound(sp_short))  # fmt: skip
-                    itemsize = {"fp32": 4, "bf16": 2, "int8": 1, **BYTES_PER_WEIGHT}[fmt]
+                    itemsize = {**BYTES_PER_WEIGHT, **GGUF_BYTES_PER_WEIGHT}[fmt]
                     wb = sum(weight_bytes(weights, itemsize).values())
                     entries.append(BenchEntry(
                         system=label, kind=kind, weights=fmt, threads=threads, phase=phase, batch=B, prompt_len=L,
@@ -209,5 +209,5 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
         import llama_cpp
 
         env["llama_cpp_python"] = llama_cpp.__version__
-    wb = {fmt: weight_bytes(weights, {"fp32": 4, "bf16": 2, "int8": 1}[fmt]) for fmt in cfg.weights}
+    wb = {fmt: weight_bytes(weights, BYTES_PER_WEIGHT[fmt]) for fmt in cfg.weights}
     return BenchReport(str(path), cfg, entries, env, wb, notes, quality)

@@ -75,11 +75,12 @@ def load_pruned(
         if smoke_check:
             _smoke_check(pm.model, pm.tokenizer, path)
         return pm
-    if export.weight_format == "int8":
+    if export.weight_format in ("int8", "int4"):
+        fmt = export.weight_format
         raise CheckpointError(
-            f"{path} stores int8 weights for wide's runtime (`wide export --weights int8`); "
+            f"{path} stores {fmt} weights for wide's runtime (`wide export --weights {fmt}`); "
             "the transformers loaders need float weights",
-            "use `wide generate` / `wide bench` on it, or export again without --weights int8",
+            f"use `wide generate` / `wide bench` on it, or export again without --weights {fmt}",
         )
     from transformers import AutoConfig
 

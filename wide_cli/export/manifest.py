@@ -21,7 +21,7 @@ def write_manifest(root: Path, *, export_id: str, weight_format: str | None = No
         root: export directory.
         export_id: a unique id of this export (also stored in ``wide_config.json``), so that a
             manifest copied from another export is detected.
-        weight_format: recorded when not None (``fp32``, ``int8``: how model.safetensors stores
+        weight_format: recorded when not None (``fp32``, ``int8``, ``int4``: how model.safetensors stores
             the weights).
     Returns:
         The manifest dict ``{format, export_id, files: {relpath: {sha256, size}}}``.

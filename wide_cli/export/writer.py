@@ -63,8 +63,8 @@ def planned_features(model, wide_config: dict, export_format: str, weight_format
         if state.cfg.method == "static-width":  # write_hf narrows it physically
             config["wide_layer_heads"] = []
     wc = {**wide_config, "export_format": export_format}
-    if weight_format == "int8":
-        wc["weight_format"] = {"format": "int8"}
+    if weight_format in ("int8", "int4"):
+        wc["weight_format"] = {"format": weight_format}
     return export_features(config, wc)
 
 
@@ -112,24 +112,25 @@ def export_model(
             from wide_cli.export.hf_format import write_hf
 
             extra = write_hf(model, tokenizer, tmp, export_id=export_id, max_shard_size=max_shard_size)
-        elif weight_format == "int8":
-            from wide_cli.quant import INT8_SCHEME, quantize_state_dict
+        elif weight_format in ("int8", "int4"):
+            from wide_cli.quant import SCHEMES, quantize_state_dict
 
             st = model.wide_routing
             qsd = quantize_state_dict(
                 {k: v.float() for k, v in backbone.items()},
                 attn_cols=st.layout.attn_group_size * st.shape.head_dim, ffn_group_size=st.layout.ffn_group_size,
+                fmt=weight_format,
             )  # fmt: skip
             if getattr(model.config, "tie_word_embeddings", False):
                 qsd = {k: v for k, v in qsd.items() if not k.startswith("lm_head.")}
             model.config.save_pretrained(tmp)
             if getattr(model, "generation_config", None) is not None:
                 model.generation_config.save_pretrained(tmp)
-            save_file(qsd, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "wide_weight_format": "int8"})
+            save_file(qsd, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "wide_weight_format": weight_format})
             tokenizer.save_pretrained(tmp)
             if routers:
                 save_file(routers, str(tmp / ROUTERS_FILE), metadata={"format": "pt", "wide_export_id": export_id})
-            extra = {"weight_format": {"format": "int8", "scheme": INT8_SCHEME}}
+            extra = {"weight_format": {"format": weight_format, "scheme": SCHEMES[weight_format]}}
         else:
             model.save_pretrained(tmp, state_dict=backbone, max_shard_size=max_shard_size)
             tokenizer.save_pretrained(tmp)

@@ -178,8 +178,8 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
 def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: dict | None = None,
            export_format: str = "wide", weight_format: str = "fp32", check_destination: bool = True):
     """Write the deployable export of the run to ``out`` (atomic), with sparsity measured on
-    the held-out split; ``export_format`` is ``wide`` or ``hf``, ``weight_format`` ``fp32`` or
-    ``int8`` (see ``export/writer.py``).
+    the held-out split; ``export_format`` is ``wide`` or ``hf``, ``weight_format`` ``fp32``,
+    ``int8`` or ``int4`` (see ``export/writer.py``).
     Returns the ExportResult.
 
     Raises:
@@ -274,13 +274,13 @@ def check_export_destination(settings: Settings, run: RunDir, out: Path) -> None
 
 
 #: ``wide export --format gguf``: the GGUF tensor type for each ``--weights`` value.
-GGUF_TYPE_OF_WEIGHTS = {"fp32": "F16", "int8": "Q8_0"}
+GGUF_TYPE_OF_WEIGHTS = {"fp32": "F16", "int8": "Q8_0", "int4": "Q4_0"}
 
 
 def export_gguf(settings: Settings, run: RunDir, out: Path, *, weight_format: str = "fp32", loaded=None) -> Path:
     """Write the run's model as one llama.cpp GGUF file at ``out`` (atomic: temp file + rename),
-    for runs whose export has no routers (static depth): F16 matrices, or Q8_0 with
-    ``weight_format`` ``int8`` (``GGUF_TYPE_OF_WEIGHTS``). The run's ``--format wide`` export is
+    for runs whose export has no routers (static depth): F16 matrices, or Q8_0 / Q4_0 with
+    ``weight_format`` ``int8`` / ``int4`` (``GGUF_TYPE_OF_WEIGHTS``). The run's ``--format wide`` export is
     written to a temp directory beside ``out`` first and converted by ``runtime/gguf_writer.py``.
 
     Raises:

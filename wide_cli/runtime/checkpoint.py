@@ -316,9 +316,9 @@ def weights_from_model(model) -> tuple[ModelWeights, bool]:
 def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False) -> ModelWeights:
     """Read an export directory (``manifest.json`` verified first) into ``ModelWeights``.
 
-    An int8 export (``wide export --weights int8``) is dequantized here (exactly ``q * scale``)
-    and marked ``extra["weight_format"] = "int8"``; the cpu backend re-quantizes it to the same
-    int8 values.
+    An int8 or int4 export (``wide export --weights int8|int4``) is dequantized here (exactly
+    ``q * scale``) and marked ``extra["weight_format"]``; the cpu backend re-quantizes it to the
+    same values (``wide_cli/quant.py``).
 
     Raises:
         CheckpointError: see ``verify_manifest``, ``read_backbone``, ``weights_from_tensors``;
@@ -374,5 +374,5 @@ def weights_from_export(path, *, verify: bool = True, allow_extra: bool = False)
             extra_eos = None
     weights = weights_from_tensors(config, tensors, routers, info, allow_extra=allow_extra, extra_eos=extra_eos)
     if quantized:
-        weights.extra["weight_format"] = "int8"
+        weights.extra["weight_format"] = quantized
     return weights

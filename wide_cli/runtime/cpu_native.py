@@ -35,8 +35,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "cpu_decode.c"
-ABI = 6
-FMT_CODE = {torch.float32: 0, torch.bfloat16: 1}  # int8 is 2
+ABI = 7
+FMT_CODE = {torch.float32: 0, torch.bfloat16: 1}
+# The C enum FMT_* of a quantized Proj's format.
+QUANT_CODE = {"int8": 2, "int4": 3}
 # The step's counters, in the order of the C enum CNT_*.
 COUNTERS = ("macs", "attn_macs", "router_macs", "weight_bytes")
 _I64 = ctypes.c_int64
@@ -301,13 +303,13 @@ class NativeDecoder:
             w.keep_a, w.keep_f = self._u8(m.keeps["attention"]), self._u8(m.keeps["ffn"])
         mdl = self.model = _WModel()
         mdl.L, mdl.D, mdl.V = L, rt.hidden_size, rt.vocab_size
-        mdl.wfmt = 2 if rt.layers[0].qkv.quantized else FMT_CODE[rt.layers[0].qkv.w.dtype]
+        mdl.wfmt = self._fmt(rt.layers[0].qkv)
         mdl.act_bf16 = int(rt.dtype == torch.bfloat16)
         mdl.eps, mdl.rope_scale = float(rt.eps), float(rt.rope_scale)
         mdl.inv_freq, mdl.final_norm = f32(rt.inv_freq), f32(rt.final_norm)
         mdl.embed = _ptr(rt.embed)
         mdl.head, mdl.head_s = self._proj(rt.head)
-        mdl.head_fmt = 2 if rt.head.quantized else FMT_CODE[rt.head.w.dtype]
+        mdl.head_fmt = self._fmt(rt.head)
         mdl.layers = ctypes.cast(self.layers, _P)
         mdl.stat_skipped, mdl.stat_decisions = _ptr(rt.stats.skipped), _ptr(rt.stats.decisions)
         self._cache_id = None
@@ -360,6 +362,11 @@ class NativeDecoder:
         b = p.w_t.view(K // p.g, p.g, N).transpose(1, 2).contiguous()
         self._keep.append(b)
         return b.data_ptr()
+
+    @staticmethod
+    def _fmt(p) -> int:
+        """The C ``FMT_*`` code of a ``Proj``."""
+        return QUANT_CODE[p.fmt] if p.quantized else FMT_CODE[p.w.dtype]
 
     @staticmethod
     def _proj(p) -> tuple[int, int | None]:

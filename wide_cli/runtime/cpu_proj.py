@@ -62,6 +62,14 @@ def i8_layout(q: torch.Tensor) -> torch.Tensor:
     return torch.cat([body, q[..., k64:]], -1).contiguous()
 
 
+def _with_slack(t: torch.Tensor, slack: int = 8) -> torch.Tensor:
+    """A contiguous copy of ``t`` followed in memory by ``slack`` zeros: the native int4 kernel
+    reads a row's scales 8 at a time, so the last row's read may reach past the tensor."""
+    buf = torch.zeros(t.numel() + slack, dtype=t.dtype, device=t.device)
+    buf[: t.numel()] = t.reshape(-1)
+    return buf[: t.numel()].view(t.shape)
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """``(first byte address, nbytes)`` of a contiguous block."""
     return t.data_ptr(), t.numel() * t.element_size()
@@ -74,10 +82,12 @@ class Proj:
     axis ``n`` (QKV, gate/up): blocks are row ranges ``[r0, r1)``. float: ``w [N, K]``.
     axis ``k`` (O, down): blocks are reduction groups ``[j0, j1)`` of ``g`` channels. float:
     ``w_t [K, N]`` (a group's channels are contiguous rows).
-    int8 (``quantized``): the int8 blocks the native decode step reads, axis ``n``: ``q [N, K]``
-    (bytes in ``i8_layout``) and fp32 scales ``s [N, K / 32]``; axis ``k``: ``q [G, N, g]``,
-    ``s [G, N, g / 32]`` (a skipped group reads neither), plus, for the PyTorch path here, ``w`` / ``w_t`` in bf16 holding
-    the same dequantized values (``runtime/quant.py`` says why).
+    int8 / int4 (``quantized``): the blocks the native decode step reads, axis ``n``: ``q [N, K]``
+    int8 (bytes in ``i8_layout``) or ``[N, K / 2]`` packed int4 (``wide_cli/quant.py``'s nibble
+    order), scales ``s [N, K / 32]`` (fp32 for int8, bf16 for int4); axis ``k``: ``q [G, N, g]``
+    (int4 ``[G, N, g / 2]``), ``s [G, N, g / 32]`` (a skipped group reads neither), plus, for the
+    PyTorch path here, ``w`` / ``w_t`` in bf16 holding the same dequantized values
+    (``runtime/quant.py`` says why).
 
     Every call adds its multiply-adds to ``counter.macs`` (and its weight spans to
     ``counter.trace`` when tracing). Views of blocks are cached (at most G (G + 1) / 2 per
@@ -86,25 +96,31 @@ class Proj:
 
     def __init__(self, w: torch.Tensor, axis: str, fmt: str, dtype: torch.dtype, device, counter: Counter,
                  g: int | None = None, what: str = "projection"):
-        from wide_cli.quant import INT8_BLOCK, dequantize_int8, quantize_int8
-        from wide_cli.runtime.quant import check_int8_width
+        from wide_cli.quant import INT8_BLOCK, dequantize, quantize
+        from wide_cli.runtime.quant import QUANTIZED_FORMATS, check_quant_width
 
         self.axis, self.fmt, self.counter = axis, fmt, counter
-        self.quantized = fmt == "int8"
+        self.quantized = fmt in QUANTIZED_FORMATS
         self.N, self.K = w.shape
         self.g = g
         self.dtype = dtype
         self._v: dict = {}
         if self.quantized:
-            check_int8_width(self.K if axis == "n" else g, what)
-            q, s = quantize_int8(w, INT8_BLOCK)  # [N, K], [N, K / 32]
-            w = dequantize_int8(q, s)  # the values the PyTorch path multiplies (bf16 copy below)
+            check_quant_width(self.K if axis == "n" else g, what, fmt)
+            q, s = quantize(w, fmt)  # int8 [N, K] or int4 packed uint8 [N, K / 2]; [N, K / 32]
+            w = dequantize(q, s)  # the values the PyTorch path multiplies (bf16 copy below)
+            # int4 scales are bf16-representable: the step reads them as bf16 (as Q4_0 its fp16)
+            s = s.to(torch.bfloat16) if fmt == "int4" else s
+            lay = i8_layout if fmt == "int8" else (lambda t: t.contiguous())
             if axis == "n":
-                self.q, self.s = i8_layout(q).to(device), s.to(device).contiguous()
+                self.q, self.s = lay(q).to(device), s.to(device).contiguous()
             else:
                 G = self.K // g
-                self.q = i8_layout(q.view(self.N, G, g).permute(1, 0, 2)).to(device)  # [G, N, g]
+                per = q.shape[1] // G  # a group's bytes per row
+                self.q = lay(q.view(self.N, G, per).permute(1, 0, 2)).to(device)  # [G, N, per]
                 self.s = s.view(self.N, G, g // INT8_BLOCK).permute(1, 0, 2).to(device).contiguous()
+            if fmt == "int4":
+                self.s = _with_slack(self.s)
         if axis == "n":
             self.w = w.to(device=device, dtype=dtype).contiguous()
         else:
@@ -116,8 +132,8 @@ class Proj:
         return self.dtype
 
     def nbytes(self) -> int:
-        """Bytes of the weights a decode step reads in this format (int8 blocks and scales for
-        int8, not the PyTorch path's bf16 copy)."""
+        """Bytes of the weights a decode step reads in this format (the quantized blocks and their
+        scales for int8 / int4, not the PyTorch path's bf16 copy)."""
         ts = (self.q, self.s) if self.quantized else (self.w if self.axis == "n" else self.w_t,)
         return sum(t.numel() * t.element_size() for t in ts)
 

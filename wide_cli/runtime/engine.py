@@ -111,7 +111,7 @@ class Runtime:
         weight_format: str | None = None,
     ):
         from wide_cli.models.loader import resolve_dtype
-        from wide_cli.runtime.quant import COMPUTE_DTYPE, check_format, fake_quantize
+        from wide_cli.runtime.quant import COMPUTE_DTYPE, QUANTIZED_FORMATS, check_format, fake_quantize
 
         fmt = weight_format or weights.extra.get("weight_format")
         if fmt is not None:
@@ -136,10 +136,10 @@ class Runtime:
         self.weight_format = fmt
         if hasattr(self.backend, "weights"):
             self.backend.weights = fmt
-        elif fmt == "int8":
-            # Backends without int8 kernels run the same int8 weights dequantized (the oracle of
-            # the cpu backend's int8 kernels).
-            weights = fake_quantize(weights)
+        elif fmt in QUANTIZED_FORMATS:
+            # Backends without int8 / int4 kernels run the same quantized weights dequantized (the
+            # oracle of the cpu backend's kernels).
+            weights = fake_quantize(weights, fmt)
         self.tokenizer = tokenizer
         self.routing = routing
         self.forced: dict[tuple[int, str], torch.Tensor] = {}
@@ -148,10 +148,10 @@ class Runtime:
         self.vocab_size = weights.embed.shape[0]
         self.hidden_size = weights.embed.shape[1]
         embed = weights.embed
-        if fmt == "int8":  # the embedding rows an int8 export stores (int8 blocks of 32), for lookups too
-            from wide_cli.runtime.quant import int8_values
+        if fmt in QUANTIZED_FORMATS:  # the embedding rows a quantized export stores, for lookups too
+            from wide_cli.quant import values
 
-            embed = int8_values(embed)
+            embed = values(embed, fmt)
         self.embed = embed.to(dev, self.dtype)
         self.counter = getattr(self.backend, "counter", None) or Counter()
         # The LM head in the backend's weight format when it has one (int8 on cpu), else dense.
@@ -160,7 +160,7 @@ class Runtime:
         self.lm_head = self.embed if weights.tied else weights.lm_head.to(dev, self.dtype)
         if hasattr(self.backend, "prepare_head"):
             # float formats keep sharing the tied embedding (the Proj holds the same tensor)
-            if fmt == "int8":  # quantized from the stored float values, not from their bf16 copy
+            if fmt in QUANTIZED_FORMATS:  # quantized from the stored float values, not from their bf16 copy
                 self.head = self.backend.prepare_head(embed if weights.tied else weights.lm_head, self.dtype)
                 self.lm_head = None
             else:
@@ -190,14 +190,14 @@ class Runtime:
         misnamed tensor is an error rather than a weight left random; a tied model needs no
         ``lm_head.weight``).
 
-        ``weight_format`` (``fp32``, ``bf16``, ``int8``) defaults to the export's stored format
+        ``weight_format`` (``fp32``, ``bf16``, ``int8``, ``int4``) defaults to the export's stored format
         (``fp32`` for a float export, unless ``dtype`` is bf16).
 
         Raises:
             CheckpointError: missing/corrupt files, missing or unexpected tensors (listed),
                 shapes that do not fit together, an untied model without ``lm_head.weight``,
                 a quantized weight without its scale tensor (or with a mismatched one).
-            ConfigError: an unknown weight format, int8 for widths the kernel cannot take.
+            ConfigError: an unknown weight format, int8 / int4 for widths the kernels cannot take.
             UnsupportedFeature: an export feature the backend does not run (``wide_cli.features``),
                 before the weights are read.
         """

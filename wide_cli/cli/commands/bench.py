@@ -84,7 +84,7 @@ def bench_cmd(
     systems: Annotated[str | None, typer.Option("--systems", help="hf,dense,reference,cpu,cpu-torch,dense-torch,llama.cpp (and cupy on a GPU).")] = None,
     dense_backend: Annotated[str | None, typer.Option("--dense-backend", help="Backend of the `dense` system (default cpu).")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="fp32 | bf16 (default fp32; shorthand for --weights).")] = None,
-    weights: Annotated[str | None, typer.Option("--weights", help="Runtime weight formats, e.g. fp32,bf16,int8 (default fp32).")] = None,
+    weights: Annotated[str | None, typer.Option("--weights", help="Runtime weight formats, e.g. fp32,bf16,int8,int4 (default fp32).")] = None,
     threads: Annotated[str | None, typer.Option("--threads", help="CPU threads for every system, e.g. 1,2 (each measured in turn; default 1, reproducible on shared CPUs; 0 = torch's default).")] = None,
     llama_cpp_types: Annotated[str | None, typer.Option("--llama-cpp-types", help="GGUF types of the llama.cpp rows: F16, Q8_0, Q4_0 (default F16,Q8_0,Q4_0).")] = None,
     ppl_tokens: Annotated[int | None, typer.Option("--ppl-tokens", help="Also score this many WikiText-2 test tokens per runtime format (needs --data-dir).")] = None,

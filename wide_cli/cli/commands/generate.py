@@ -35,7 +35,7 @@ def generate_cmd(
     no_routing: Annotated[bool, typer.Option("--no-routing", help="Run every group (the runtime's dense mode).")] = False,
     dtype: Annotated[str | None, typer.Option("--dtype", help="fp32 | bf16 (default fp32).")] = None,
     weights: Annotated[str | None, typer.Option(
-        "--weights", help="Weight format: fp32 | bf16 | int8 (int8: weight-only, bf16 activations; default: the "
+        "--weights", help="Weight format: fp32 | bf16 | int8 | int4 (int8 / int4: weight-only, bf16 activations; default: the "
         "export's stored format, else fp32).")] = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,

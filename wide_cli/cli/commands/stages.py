@@ -182,8 +182,9 @@ def export_cmd(
     lora: Annotated[bool | None, typer.Option(
         "--lora/--no-lora", help="Merge the run's stage-2 LoRA (default: when `wide train --stage 2` ran).")] = None,
     weights: Annotated[str, typer.Option(
-        "--weights", help="fp32 (default) | int8: store int8 projections with their scales for the runtime "
-        "(`wide generate` / `wide bench`; --format wide), or Q8_0 matrices with --format gguf (F16 otherwise).")] = "fp32",
+        "--weights", help="fp32 (default) | int8 | int4: store int8 (Q8_0-like) or int4 (Q4_0-like) projections "
+        "with their scales for the runtime (`wide generate` / `wide bench`; --format wide), or Q8_0 / Q4_0 "
+        "matrices with --format gguf (F16 otherwise).")] = "fp32",
     threads: options.ThreadsOpt = None,
     json_out: options.JsonOpt = False,
 ):
@@ -198,11 +199,11 @@ def export_cmd(
     formats = (*EXPORT_FORMATS, "gguf")
     if export_format not in formats:
         raise ConfigError(f"--format {export_format!r} unknown", f"choose one of {', '.join(formats)}")
-    if weights not in ("fp32", "int8"):
-        raise ConfigError(f"--weights {weights!r} unknown for an export", "choose fp32 or int8")
-    if weights == "int8" and export_format == "hf":
-        raise ConfigError("--weights int8 is stored only in --format wide exports (for wide's runtime) and as Q8_0 "
-                          "in --format gguf", "drop --format hf, or export fp32 weights")
+    if weights not in ("fp32", "int8", "int4"):
+        raise ConfigError(f"--weights {weights!r} unknown for an export", "choose fp32, int8 or int4")
+    if weights != "fp32" and export_format == "hf":
+        raise ConfigError(f"--weights {weights} is stored only in --format wide exports (for wide's runtime) and as "
+                          f"{stages.GGUF_TYPE_OF_WEIGHTS[weights]} in --format gguf", "drop --format hf, or export fp32 weights")
     run, settings = _settings_for_run(run_dir, None, {"lora": lora})
     if lora and not (run.stage2 / ADAPTER_FILE).is_file():
         raise ConfigError(f"--lora: {run.stage2} holds no trained adapter",
