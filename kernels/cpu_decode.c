@@ -464,44 +464,77 @@ static inline __m256i i8_dot32(__m256i w, __m256i qa, __m256i qsgn) {
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
-static void dot_i8_q_avx2(const int8_t *W, const float *S, int64_t K, int64_t n, const int8_t *qx, const float *qs, float *y) {
-    const int64_t nb = K / QBLOCK, nc = nb / 2;
-    for (int64_t r = 0; r < n; r += 4) {
-        const int64_t rn = n - r < 4 ? n - r : 4;
-        const int8_t *w[4];
-        const float *sr[4];
-        for (int i = 0; i < 4; i++) {
-            w[i] = W + (r + (i < rn ? i : 0)) * K; /* rows past n recompute row r (not stored) */
-            sr[i] = S + (r + (i < rn ? i : 0)) * nb;
+#define I8_MAX_K 16384 /* widths dot_i8_q_avx2 regroups on its stack; wider ones run dot_i8_blocks */
+
+/* Per chunk of 64 channels (two blocks), its activations as the two 32-byte halves of I8_LAYOUT
+ * pair them, signed (X) and absolute (A): xr[128 c ..] = X0 A0 X1 A1. Per 8 blocks, their scales
+ * in the order the horizontal adds of dot_i8_q_avx2 / dot_i4_q leave them: 0 2 4 6 1 3 5 7 (zero
+ * past the paired blocks). */
+static const int BLOCK_ORDER8[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+static void i8_regroup(const int8_t *qx, const float *qs, int64_t npair, int8_t *xr, float *qsp) {
+    for (int64_t c = 0; c < npair; c++) {
+        const int8_t *q = qx + 64 * c;
+        const __m128i b0l = _mm_loadu_si128((const __m128i *)q), b0h = _mm_loadu_si128((const __m128i *)(q + 16));
+        const __m128i b1l = _mm_loadu_si128((const __m128i *)(q + 32)), b1h = _mm_loadu_si128((const __m128i *)(q + 48));
+        const __m256i x0 = _mm256_set_m128i(_mm_unpackhi_epi32(b0l, b1l), _mm_unpacklo_epi32(b0l, b1l));
+        const __m256i x1 = _mm256_set_m128i(_mm_unpackhi_epi32(b0h, b1h), _mm_unpacklo_epi32(b0h, b1h));
+        _mm256_store_si256((__m256i *)(xr + 128 * c), x0);
+        _mm256_store_si256((__m256i *)(xr + 128 * c + 32), _mm256_sign_epi8(x0, x0));
+        _mm256_store_si256((__m256i *)(xr + 128 * c + 64), x1);
+        _mm256_store_si256((__m256i *)(xr + 128 * c + 96), _mm256_sign_epi8(x1, x1));
+    }
+    for (int64_t g = 0; g < (npair + 3) / 4; g++)
+        for (int k = 0; k < 8; k++) {
+            const int64_t b = 8 * g + BLOCK_ORDER8[k];
+            qsp[8 * g + k] = b < 2 * npair ? qs[b] : 0.f;
         }
-        __m256 tot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t c = 0; c < nc; c++) {
-            const int8_t *q = qx + 64 * c;
-            const __m128i b0l = _mm_loadu_si128((const __m128i *)q), b0h = _mm_loadu_si128((const __m128i *)(q + 16));
-            const __m128i b1l = _mm_loadu_si128((const __m128i *)(q + 32)), b1h = _mm_loadu_si128((const __m128i *)(q + 48));
-            const __m256i x0 = _mm256_set_m128i(_mm_unpackhi_epi32(b0l, b1l), _mm_unpacklo_epi32(b0l, b1l));
-            const __m256i x1 = _mm256_set_m128i(_mm_unpackhi_epi32(b0h, b1h), _mm_unpacklo_epi32(b0h, b1h));
-            const __m256i a0 = _mm256_sign_epi8(x0, x0), a1 = _mm256_sign_epi8(x1, x1);
-            const float sx0 = qs[2 * c], sx1 = qs[2 * c + 1];
-            _mm_prefetch((const char *)(w[0] + 64 * c + 8 * K), _MM_HINT_T0);
-            for (int i = 0; i < 4; i++) {
-                const int8_t *wc = w[i] + 64 * c;
-                __m256i acc = _mm256_add_epi32(i8_dot32(_mm256_loadu_si256((const __m256i *)wc), a0, x0),
-                                               i8_dot32(_mm256_loadu_si256((const __m256i *)(wc + 32)), a1, x1));
-                float pair[2] = {sr[i][2 * c] * sx0, sr[i][2 * c + 1] * sx1};
-                double d;
-                memcpy(&d, pair, 8);
-                tot[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_castpd_ps(_mm256_set1_pd(d)), tot[i]);
+}
+
+/* int8 x int8 on AVX2 (vpmaddubsw + vpmaddwd, as llama.cpp's Q8_0 without VNNI): the activations
+ * rounded to int8 per block (Vec.qa, qs), |q| times the weights with q's sign moved onto them. A
+ * chunk's two 32-byte halves in I8_LAYOUT pair with [q0 4 | q1 4] groups of the two blocks'
+ * activations (regrouped once per call), so the int32 lanes alternate between the blocks; one
+ * permute per chunk gathers them into halves, and per 8 blocks three horizontal adds leave one sum
+ * per block (the order of BLOCK_ORDER8) for one fma with the 8 scale products. S is read 8 at a
+ * time: the scale tensor must have 8 readable values past its last row (runtime/cpu_proj.py pads
+ * it); lanes past the paired blocks multiply zero. */
+static void dot_i8_q_avx2(const int8_t *W, const float *S, int64_t K, int64_t n, const int8_t *qx, const float *qs, float *y) {
+    const int64_t nb = K / QBLOCK, npair = nb / 2, ng = (npair + 3) / 4;
+    _Alignas(32) int8_t xr[2 * I8_MAX_K];
+    _Alignas(32) float qsp[I8_MAX_K / 32 + 8];
+    i8_regroup(qx, qs, npair, xr, qsp);
+    const __m256i ones = _mm256_set1_epi16(1), halves = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (int64_t r = 0; r < n; r++) {
+        const int8_t *w = W + r * K;
+        const float *sr = S + r * nb;
+        __m256 tot = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ng; g++) {
+            __m256i d[4];
+            for (int q = 0; q < 4; q++) {
+                const int64_t c = 4 * g + q;
+                if (c >= npair) { d[q] = _mm256_setzero_si256(); continue; }
+                const int8_t *x = xr + 128 * c;
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 64 * c));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 64 * c + 32));
+                /* |q| <= 127: each pair sum of vpmaddubsw fits int16 */
+                const __m256i p0 = _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(x + 32)),
+                                                        _mm256_sign_epi8(w0, _mm256_load_si256((const __m256i *)x)));
+                const __m256i p1 = _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(x + 96)),
+                                                        _mm256_sign_epi8(w1, _mm256_load_si256((const __m256i *)(x + 64))));
+                const __m256i dc = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
+                d[q] = _mm256_permutevar8x32_epi32(dc, halves); /* [block 2c x4 | block 2c+1 x4] */
             }
+            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+            const __m256 sw = _mm256_permutevar8x32_ps(_mm256_loadu_ps(sr + 8 * g), halves);
+            tot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sw, _mm256_load_ps(qsp + 8 * g)), tot);
         }
         if (nb % 2) { /* the trailing block of 32, natural order */
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 64 * nc)), a = _mm256_sign_epi8(x, x);
-            for (int i = 0; i < 4; i++) {
-                const __m256i acc = i8_dot32(_mm256_loadu_si256((const __m256i *)(w[i] + 64 * nc)), a, x);
-                tot[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(sr[i][nb - 1] * qs[nb - 1]), tot[i]);
-            }
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 64 * npair)), a = _mm256_sign_epi8(x, x);
+            const __m256i acc = i8_dot32(_mm256_loadu_si256((const __m256i *)(w + 64 * npair)), a, x);
+            tot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(sr[nb - 1] * qs[nb - 1]), tot);
         }
-        for (int i = 0; i < rn; i++) y[r + i] = hsum8(tot[i]);
+        y[r] = hsum8(tot);
     }
 }
 #endif
@@ -648,7 +681,7 @@ static void rows_dot(int64_t fmt, const void *W, const void *S, int64_t K, int64
         else
 #endif
 #if defined(WIDE_AVX2)
-        if (v->qa) dot_i8_q_avx2(Wq, Sr, K, n, v->qa, v->qs, y);
+        if (v->qa && K <= I8_MAX_K) dot_i8_q_avx2(Wq, Sr, K, n, v->qa, v->qs, y);
         else
 #endif
         dot_i8_blocks(Wq, Sr, K, n, v->x, y);

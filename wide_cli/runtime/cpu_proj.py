@@ -63,8 +63,8 @@ def i8_layout(q: torch.Tensor) -> torch.Tensor:
 
 
 def _with_slack(t: torch.Tensor, slack: int = 8) -> torch.Tensor:
-    """A contiguous copy of ``t`` followed in memory by ``slack`` zeros: the native int4 kernel
-    reads a row's scales 8 at a time, so the last row's read may reach past the tensor."""
+    """A contiguous copy of ``t`` followed in memory by ``slack`` zeros: the native int8 / int4
+    kernels read a row's scales 8 at a time, so the last row's read may reach past the tensor."""
     buf = torch.zeros(t.numel() + slack, dtype=t.dtype, device=t.device)
     buf[: t.numel()] = t.reshape(-1)
     return buf[: t.numel()].view(t.shape)
@@ -119,8 +119,7 @@ class Proj:
                 per = q.shape[1] // G  # a group's bytes per row
                 self.q = lay(q.view(self.N, G, per).permute(1, 0, 2)).to(device)  # [G, N, per]
                 self.s = s.view(self.N, G, g // INT8_BLOCK).permute(1, 0, 2).to(device).contiguous()
-            if fmt == "int4":
-                self.s = _with_slack(self.s)
+            self.s = _with_slack(self.s)  # the AVX2 kernels read a row's scales 8 at a time
         if axis == "n":
             self.w = w.to(device=device, dtype=dtype).contiguous()
         else:
