@@ -3,7 +3,8 @@
 # (every system, both thread counts, perplexity per format and path) and on a cost-0.5 export
 # (HF, the runtime and llama.cpp Q8_0 / Q4_0: prefill at 128 and 1,024 tokens, decode batches of 1,
 # 4 and 16 rows, and perplexity per format and path); then the cost-0.5 export's int4 rows beside int8, fp32
-# and llama.cpp Q8_0 / Q4_0 (prefill 128, decode batches 1 and 4, perplexity per format and path).
+# and llama.cpp Q8_0 / Q4_0 (prefill 128, decode batches 1 and 4, perplexity per format and path), and
+# long contexts: prefill of 2,048 / 8,000 tokens and decode after them (bf16, int4, llama.cpp Q4_0 at 2,048).
 # Usage: benchmarks/bench_cpu.sh DEMO_EXPORT COST05_EXPORT [OUT_DIR]   (needs `make llama-setup`)
 # DEMO_EXPORT '-' skips the demo run; C05_THREADS=1 limits the cost-0.5 run to one thread (a machine where another job holds a core).
 # Run it on a quiet machine: the 2-thread rows measure whatever else holds a core.
@@ -24,3 +25,10 @@ $wide bench "$c05" --systems hf,dense,cpu,llama.cpp --weights fp32,bf16,int8 --l
 $wide bench "$c05" --systems dense,cpu,llama.cpp --weights fp32,int8,int4 --llama-cpp-types Q8_0,Q4_0 \
   --prefill-lengths 128 --decode-batches 1,4 --new-tokens 32 --decode-prompt-len 64 --threads ${C05_THREADS:-1,2} \
   --ppl-tokens 2048 --ppl-seq-len 512 --data-dir ../shared/data --json-out "$out/bench-cpu-int4.json"
+$wide bench "$c05" --systems dense,cpu,llama.cpp --weights bf16,int4 --llama-cpp-types Q4_0 \
+  --prefill-lengths 2048 --decode-batches 1 --new-tokens 32 --decode-prompt-len 2048 --threads ${C05_THREADS:-1,2} \
+  --json-out "$out/bench-cpu-long2k.json"
+# 8,000 tokens: one timed round without warm-up, int4 dense and routed only (a round of every system
+# took ~17 minutes at 1 thread)
+$wide bench "$c05" --systems dense,cpu --weights int4 --prefill-lengths 8000 --decode-batches 1 --new-tokens 32 \
+  --decode-prompt-len 8000 --threads ${C05_THREADS:-1,2} --repeats 1 --warmup 0 --json-out "$out/bench-cpu-long8k.json"

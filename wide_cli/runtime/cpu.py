@@ -1,7 +1,7 @@
 """The ``cpu`` backend: routed work is actually skipped (DESIGN.md §3), with PyTorch on CPU.
 
 Weight layout, built once in ``prepare_layer`` as ``Proj`` objects (no weight slice is copied per
-step), in the backend's weight format (``fp32``, ``bf16`` or ``int8`` weight-only, see
+step), in the backend's weight format (``fp32``, ``bf16``, or ``int8`` / ``int4`` weight-only, see
 ``runtime/quant.py``):
 - ``qkv [(H + 2 H_kv) d, D]``: Q rows then K, V rows. A head group's Q rows are a contiguous row
   block; the dense path is one GEMM.
@@ -84,7 +84,7 @@ class CpuBackend:
 
     Args:
         device: ``cpu``.
-        weights: weight format, ``fp32``, ``bf16`` or ``int8`` (``runtime/quant.py``); the
+        weights: weight format, ``fp32``, ``bf16``, ``int8`` or ``int4`` (``runtime/quant.py``); the
             activations are fp32 for fp32 weights and bf16 otherwise.
 
     Attributes:
