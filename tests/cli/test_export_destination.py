@@ -11,24 +11,8 @@ import shutil
 import pytest
 
 from tests.cli._invoke import ok as _ok
+from tests.cli.conftest import COMMON
 from wide_cli.cli.app import main
-
-COMMON = ["--seq-len", "32", "--batch-size", "2", "--attn-group-size", "2", "--ffn-group-size", "32"]
-
-
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
-    """A run directory with stage-1 routers (tiny-llama, one step) and its export."""
-    import pydoc_data.topics as t
-
-    root = tmp_path_factory.mktemp("dest")
-    text = root / "train.txt"
-    text.write_text("\n\n".join(v[:2000] for _, v in sorted(t.topics.items())[:3]))
-    run = root / "run"
-    _ok(["calibrate", "tiny-llama", "--data", str(text), "--run-dir", str(run), *COMMON])
-    _ok(["train", "--run-dir", str(run), "--steps", "1"])
-    _ok(["export", "--run-dir", str(run), "--out", str(root / "exp")])
-    return run
 
 
 def _snapshot(path) -> dict:

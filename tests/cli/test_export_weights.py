@@ -11,22 +11,6 @@ import pytest
 from tests.cli._invoke import ok
 from wide_cli.cli.app import main
 
-COMMON = ["--seq-len", "32", "--batch-size", "2", "--attn-group-size", "2", "--ffn-group-size", "32"]
-
-
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
-    """A run directory with stage-1 routers (tiny-llama, one step)."""
-    import pydoc_data.topics as t
-
-    root = tmp_path_factory.mktemp("weights")
-    text = root / "train.txt"
-    text.write_text("\n\n".join(v[:2000] for _, v in sorted(t.topics.items())[:3]))
-    run = root / "run"
-    ok(["calibrate", "tiny-llama", "--data", str(text), "--run-dir", str(run), *COMMON])
-    ok(["train", "--run-dir", str(run), "--steps", "1"])
-    return run
-
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantized_export_generates_in_its_format(fmt, trained_run, tmp_path):
