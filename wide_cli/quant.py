@@ -50,7 +50,8 @@ def quantize_int8(w: torch.Tensor, group_k: int | None = None) -> tuple[torch.Te
     # steps, so it quantizes to +-127 (clipped when above; error < scale / 4) and re-quantizing the
     # dequantized weights reproduces q and scale exactly.
     s = (amax / 127).to(torch.bfloat16).float()
-    scale = torch.where(amax > 0, s, torch.ones_like(amax))
+    # a block too small for a bf16 scale (all-zero, or |w| below ~1e-38) gets scale 1 and q = 0
+    scale = torch.where(s > 0, s, torch.ones_like(amax))
     q = torch.round(wg / scale[..., None]).clamp_(-127, 127).to(torch.int8)
     return q.reshape(N, K), scale
 
@@ -72,8 +73,9 @@ INT4_SCHEME = ("4-bit in blocks of 32 reduction channels, one scale per output r
 # nothing. Per block the one with the least squared error wins. Measured on SmolLM2-135M
 # (WikiText-2, 2,048 tokens, every matrix 4-bit): Q4_0's rule 41.3, these two 40.0 (fp32 30.96);
 # adding divisors that clip the extreme itself (|c| > 8) lowered the squared error but raised the
-# perplexity (43.1 with ten divisors up to 9). Quantizing dequantized values gives them back (the
-# scales are bf16, q * scale is exact in fp32).
+# perplexity (43.1 with ten divisors up to 9). Quantizing dequantized values gives the same values
+# back (the scales are bf16, q * scale is exact in fp32), and the same bytes except where two rules
+# tie at zero error (then the first wins).
 INT4_DIVISORS = (-8.0, 7.0)
 
 
@@ -100,7 +102,7 @@ def quantize_int4(w: torch.Tensor, divisors: tuple[float, ...] = INT4_DIVISORS) 
     best_err, best_q, best_s = None, None, None
     for c in divisors:
         s = (m / c).to(torch.bfloat16).float()
-        s = torch.where(m != 0, s, torch.ones_like(s))
+        s = torch.where(s != 0, s, torch.ones_like(s))  # all-zero or below bf16's range: scale 1, q = 0
         q = torch.round(x / s).clamp_(-8, 7)
         err = (x - q * s).square().sum(-1, keepdim=True)
         if best_err is None:

@@ -120,6 +120,19 @@ def test_int4_requantizing_dequantized_weights_is_exact():
     assert torch.equal(dequantize_int4(*quantize_int4(v)), v)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_blocks_below_the_bf16_range_get_a_usable_scale(fmt):
+    from wide_cli.quant import dequantize, quantize
+
+    w = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
+    w[0, :32] = 1e-41  # a block whose scale would round to 0 in bf16
+    w[1, 32:] = 0.0
+    q, s = quantize(w, fmt)
+    assert bool((s != 0).all()) and bool(torch.isfinite(s).all())
+    v = dequantize(q, s)
+    assert bool(torch.isfinite(v).all()) and float(v[0, :32].abs().max()) == 0.0 and float(v[1, 32:].abs().max()) == 0.0
+
+
 def test_int4_refuses_a_width_off_the_block():
     with pytest.raises(ValueError, match="multiple of 32, got 48"):
         quantize_int4(torch.zeros(4, 48))
