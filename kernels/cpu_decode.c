@@ -153,12 +153,19 @@ static inline __m256 ld_bf16(const uint16_t *w) {
     __m128i v = _mm_loadu_si128((const __m128i *)w);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
+#endif
+#ifdef WIDE_I4_SIMD
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+/* The order in which three horizontal adds (hadd(hadd(d0, d1), hadd(d2, d3))) leave the 8 blocks
+ * of 4 block pairs whose int32 lanes are [first block x4 | second block x4]: the scales of
+ * dot_i8_q_avx2 / dot_i4_q are laid out in it. */
+static const int BLOCK_ORDER8[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 #endif
 static inline float cv_f32(const float *w, int64_t k) { return w[k]; }
 static inline float cv_bf16(const uint16_t *w, int64_t k) { return bf16_to_f32(w[k]); }
@@ -468,9 +475,7 @@ static inline __m256i i8_dot32(__m256i w, __m256i qa, __m256i qsgn) {
 
 /* Per chunk of 64 channels (two blocks), its activations as the two 32-byte halves of I8_LAYOUT
  * pair them, signed (X) and absolute (A): xr[128 c ..] = X0 A0 X1 A1. Per 8 blocks, their scales
- * in the order the horizontal adds of dot_i8_q_avx2 / dot_i4_q leave them: 0 2 4 6 1 3 5 7 (zero
- * past the paired blocks). */
-static const int BLOCK_ORDER8[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+ * in BLOCK_ORDER8 (zero past the paired blocks). */
 
 static void i8_regroup(const int8_t *qx, const float *qs, int64_t npair, int8_t *xr, float *qsp) {
     for (int64_t c = 0; c < npair; c++) {
@@ -600,10 +605,9 @@ static void dot_i4_q(const uint8_t *W, const uint16_t *S, int64_t K, int64_t n, 
         _mm256_store_si256((__m256i *)(xr + 64 * p), _mm256_permute2x128_si256(x0, x1, 0x20));
         _mm256_store_si256((__m256i *)(xr + 64 * p + 32), _mm256_permute2x128_si256(x0, x1, 0x31));
     }
-    static const int ORDER[8] = {0, 2, 4, 6, 1, 3, 5, 7};
     for (int64_t c = 0; c < nch; c++)
         for (int k = 0; k < 8; k++) {
-            const int64_t b = 8 * c + ORDER[k];
+            const int64_t b = 8 * c + BLOCK_ORDER8[k];
             int32_t sum = 0;
             if (b < 2 * npair)
                 for (int64_t e = 0; e < QBLOCK; e++) sum += qx[b * QBLOCK + e];
@@ -647,9 +651,7 @@ static void dot_i4_q(const uint8_t *W, const uint16_t *S, int64_t K, int64_t n, 
             const __m256i acc = i4_dot32(i4_block(w + 16 * b), a, x);
             tot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(bf16_to_f32(sr[b]) * qs[b]), tot);
         }
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(tot), _mm256_extractf128_ps(tot, 1));
-        const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        y[r] = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+        y[r] = hsum8(tot);
     }
 }
 #endif
