@@ -224,3 +224,96 @@ def test_bad_requests_get_vllms_error_and_the_server_keeps_serving(server):
     code, r = _post(url + "/completions", {"model": "nope", "prompt": "Hello", "max_tokens": 4})
     assert code == 404 and "nope" in r["error"]["message"], r
     assert _completion(url, "Hello") == _completion(url, "Hello")
+
+
+# ------------------------------------------------------------------------------- real clients
+
+#: What a user's own client script runs against the server (the serving venv has ``openai``).
+OPENAI_CLIENT = """
+import json, sys
+from openai import OpenAI
+url, texts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+client = OpenAI(base_url=url, api_key="unused")
+greedy = dict(max_tokens=n, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+out = {"completions": [], "chat": []}
+for t in texts:
+    r = client.completions.create(model="tiny", prompt=t, **greedy)
+    out["completions"].append({"ids": r.choices[0].model_extra["token_ids"], "text": r.choices[0].text,
+                               "completion_tokens": r.usage.completion_tokens})
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": t}], **greedy)
+    out["chat"].append({"ids": r.choices[0].model_extra["token_ids"], "text": r.choices[0].message.content})
+print(json.dumps(out))
+"""
+
+
+def test_openai_client_completions_and_chat_equal_the_reference(server):
+    """The ``openai`` package's client (completions and chat) gets the reference backend's greedy
+    tokens and their text."""
+    from wide_cli.runtime.engine import Runtime
+
+    url, export = server
+    texts = TEXTS[:3]
+    r = subprocess.run([_serve_python(), "-c", OPENAI_CLIENT, url, json.dumps(texts), str(MAX_TOKENS)], capture_output=True,
+                       text=True, timeout=300, check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    rt = Runtime.from_export(export, backend="reference", dtype="fp32")
+    ref = rt.generate(texts, max_new_tokens=MAX_TOKENS, ignore_eos=True)
+    assert [c["ids"] for c in out["completions"]] == ref.tokens
+    assert [c["text"] for c in out["completions"]] == [rt.tokenizer.decode(t) for t in ref.tokens]
+    assert all(c["completion_tokens"] == MAX_TOKENS for c in out["completions"])
+    # vLLM renders the chat template and tokenizes it without special tokens, as transformers does
+    chat_ids = [rt.tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True, return_dict=True,
+                                                 add_generation_prompt=True)["input_ids"] for t in texts]  # fmt: skip
+    chat_ref = rt.generate(chat_ids, max_new_tokens=MAX_TOKENS, ignore_eos=True)
+    assert [c["ids"] for c in out["chat"]] == chat_ref.tokens
+
+
+#: Multiple-choice items in PIQA's layout, short enough for the server's 128-token context (the
+#: character tokenizer spends one token per character).
+PIQA_ITEMS = [
+    {"goal": "dry wet hands", "sol1": "use a towel", "sol2": "use a bucket", "label": 0},
+    {"goal": "cut bread", "sol1": "use a spoon", "sol2": "use a knife", "label": 1},
+    {"goal": "cool tea", "sol1": "wait a bit", "sol2": "add hot water", "label": 0},
+    {"goal": "see at night", "sol1": "close eyes", "sol2": "turn on a lamp", "label": 1},
+    {"goal": "open a jar", "sol1": "twist the lid", "sol2": "shake the jar", "label": 0},
+]
+
+
+def test_lm_eval_local_completions_scores_like_wide_eval(server):
+    """lm-evaluation-harness's ``local-completions`` model (prompt log-probabilities through
+    ``/v1/completions`` with ``echo``) on the harness's own PIQA task, fed local items, against
+    `wide eval`'s scoring of the same export and items: the same log-likelihood per choice (fp32,
+    1e-3 nats) and the same acc / acc_norm per item."""
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness (lm_eval) cannot be imported")
+    import datasets
+    import torch
+    from lm_eval.api.task import ConfigurableTask
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from wide_cli.eval import tasks as T
+    from wide_cli.eval.run import load_target
+    from wide_cli.eval.zeroshot import mc_metrics, score_docs
+
+    url, export = server
+    cfg = load_yaml(os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "piqa", "piqa.yaml"))
+    dd = datasets.DatasetDict({s: datasets.Dataset.from_list(PIQA_ITEMS) for s in ("train", "validation", "test")})
+    cfg.update(custom_dataset=lambda **kw: dd)
+    task = ConfigurableTask(config=cfg)
+    lm = LocalCompletionsAPI(base_url=url + "/completions", model="tiny", tokenizer=str(export),
+                             tokenizer_backend="huggingface", max_length=128, num_concurrent=2)  # fmt: skip
+    harness = []
+    for i, doc in enumerate(task.eval_docs):
+        reqs = task.construct_requests(doc, task.fewshot_context(doc, 0), metadata=("piqa", i, 1))
+        res = lm.loglikelihood(reqs, disable_tqdm=True)
+        harness.append(([ll for ll, _ in res], task.process_results(doc, res)))
+
+    target = load_target(str(export), dtype=torch.float32, device="cpu", trust_remote_code=True)
+    docs = [T.build_piqa(T._Fields(rec, f"item {i}")) for i, rec in enumerate(PIQA_ITEMS)]
+    lls = score_docs(target.model, target.tokenizer, docs, max_length=128)
+    items = mc_metrics(docs, lls)["items"]
+    for (h_lls, h_res), ours, item, doc in zip(harness, lls, items, docs):
+        assert h_lls == pytest.approx(ours, abs=1e-3)
+        assert h_res["acc"] == (1.0 if item["pred"] == doc.gold else 0.0)
+        assert h_res["acc_norm"] == (1.0 if item["pred_norm"] == doc.gold else 0.0)
