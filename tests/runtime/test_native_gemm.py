@@ -125,6 +125,7 @@ def test_batched_low_precision_decode_matches_reference(weights, routed_model, r
     ids = torch.randint(5, 100, (B, T), generator=torch.Generator().manual_seed(9))
     ref = Runtime.from_model(model, backend="reference", weight_format=weights)
     cpu = Runtime.from_model(model, backend="cpu", weight_format=weights)
+    cpu.native_decode = False  # the PyTorch step's GEMMs (the native step: test_cpu_native.py)
     ref.forced = cpu.forced = random_masks(model, B, T + steps, 0.5, seed=4)
     c_ref, c_cpu = ref.new_cache(B, T + steps), cpu.new_cache(B, T + steps)
     lr, lc = ref.step(ids, None, c_ref), cpu.step(ids, None, c_cpu)

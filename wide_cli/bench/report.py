@@ -85,6 +85,7 @@ class BenchEntry:
             f"{self.phase}_speedup_vs_hf": self.speedup_vs_hf,
             "ideal_speedup": self.ideal_speedup,
             "measured_sparsity": self.measured_sparsity,
+            "weight_bytes_per_step": self.weight_bytes_per_step,
             "weight_gb_per_s": self.gb_per_s,
         }
 

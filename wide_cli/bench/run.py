@@ -146,6 +146,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                 times: dict = {k: [] for k in active}
                 sparsity: dict = {}
                 executed: dict = {}
+                bytes_read: dict = {}
                 for r in range(cfg.warmup + cfg.repeats):
                     for key, sys_ in active.items():
                         if isinstance(sys_, RuntimeSystem) and r == cfg.warmup:
@@ -155,6 +156,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                             times[key].append(t)
                         if isinstance(sys_, RuntimeSystem):
                             executed[key] = sys_.executed
+                            bytes_read[key] = sys_.weight_bytes_per_step if phase == "decode" else None
                             if r == cfg.warmup + cfg.repeats - 1:
                                 sparsity[key] = sys_.rt.stats.summary() if sys_.routed else None
                     log(f"{threads} threads, {phase} batch {B} len {L}: round {r + 1}/{cfg.warmup + cfg.repeats}")
@@ -174,13 +176,22 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                                  else flops_cost(weights, (L + 1) / 2).speedup_bound(sp_short))  # fmt: skip
                     itemsize = {**BYTES_PER_WEIGHT, **GGUF_BYTES_PER_WEIGHT}[fmt]
                     wb = sum(weight_bytes(weights, itemsize).values())
+                    wb_step = wb / (dcost.speedup_bound(sp_short) if sp_short else 1.0)
+                    counted = bytes_read.get(key)
+                    if phase == "decode" and counted:
+                        # what the backend counted it read: for a batch the union of the rows'
+                        # groups; the bound is the dense system's counted bytes over these
+                        wb_step = counted
+                        dense_counted = next((v for (_, k, f), v in bytes_read.items() if k == "dense" and f == fmt), None)
+                        if skips and dense_counted:
+                            ideal = dense_counted / counted
                     entries.append(BenchEntry(
                         system=label, kind=kind, weights=fmt, threads=threads, phase=phase, batch=B, prompt_len=L,
                         new_tokens=cfg.new_tokens if phase == "decode" else 0, seconds=times[key],
                         tokens=B * L if phase == "prefill" else B * cfg.new_tokens, measured_sparsity=sp_short,
                         skips_work=skips, executed_mac_fraction=frac, ideal_speedup=ideal,
                         path=getattr(system, "path", None),
-                        weight_bytes_per_step=wb / (dcost.speedup_bound(sp_short) if sp_short else 1.0),
+                        weight_bytes_per_step=wb_step,
                     ))  # fmt: skip
             for sys_ in tsys.values():
                 if isinstance(sys_, LlamaCppSystem):

@@ -47,13 +47,14 @@ class HFSystem:
 
 class RuntimeSystem:
     """The runtime on one backend and weight format, routed or not. ``executed`` holds the
-    multiply-adds of its last timed run: ``(weights + attention + LM head, routers)``; ``path``
-    which code ran its timed steps: ``native`` (the cpu backend's C library,
-    ``runtime/cpu_native.py``: the batch-1 decode step, or the GEMM under the projections of
-    prefill and batches) or ``torch``.
+    multiply-adds of its last timed run: ``(weights + attention + LM head, routers)``;
+    ``weight_bytes_per_step`` the weight bytes its last timed decode read per step, as the backend
+    counted them (a batch: the union of the rows' groups, each read once); ``path`` which code ran
+    its timed steps: ``native`` (the cpu backend's C library, ``runtime/cpu_native.py``: the decode
+    step of 1-64 rows, or the GEMM under the projections of prefill) or ``torch``.
 
     Args:
-        native: allow the native batch-1 decode step (False measures the PyTorch step).
+        native: allow the native decode step (False measures the PyTorch step).
     """
 
     def __init__(self, runtime, routing: bool, forced_sparsity: float | None, seed: int, native: bool = True):
@@ -63,6 +64,7 @@ class RuntimeSystem:
         self.seed = seed
         self.native = native
         self.executed: tuple[int, int] = (0, 0)
+        self.weight_bytes_per_step: float | None = None
         self.path: str | None = None
 
     def _setup(self, batch: int, slots: int):
@@ -98,9 +100,10 @@ class RuntimeSystem:
             logits = self.rt.step(logits.argmax(-1, keepdim=True), None, cache)
         t = time.perf_counter() - t
         self._counted()
+        self.weight_bytes_per_step = self.rt.counter.weight_bytes / steps if self.rt.counter.weight_bytes else None
         if self.rt.native_decode and self.rt._native_for(cache) is not None:
-            self.path = "native"  # the batch-1 decode step
-        else:  # batches: the PyTorch step, its projections on the native GEMM where that is chosen
+            self.path = "native"  # the native decode step
+        else:  # the PyTorch step, its projections on the native GEMM where that is chosen
             self.path = prefill_path(self.rt.dtype) if getattr(self.rt.backend, "name", None) == "cpu" else "torch"
         return t
 

@@ -1,11 +1,13 @@
-"""The cpu backend's native decode step: a whole batch-1 token in one C call (``kernels/cpu_decode.c``).
+"""The cpu backend's native decode step: one new token for each of 1-64 batch rows in one C call
+(``kernels/cpu_decode.c``).
 
 The PyTorch decode path issues ~700 small ops per token, and on small models that overhead, not
 weight traffic, set the speed. The C step runs the same routed math (DESIGN.md §1) with one call
-per token on the weight layouts of ``runtime/cpu_proj.py`` (only bf16 O and down are re-blocked,
-a copy of those two), reading only the weight bytes of the groups a token executes. The PyTorch
-path stays: it runs prefill, batches of more than one row, padded caches and byte tracing, and it
-is the test oracle. The same library has the prefill GEMM (``gemm``): bf16 prefill projections run
+per step on the weight layouts of ``runtime/cpu_proj.py`` (only bf16 O and down are re-blocked,
+a copy of those two). Each row computes only the groups it executes, and a group's weight bytes
+are read once per step for all the rows that execute it (none when no row does). The PyTorch
+path stays: it runs prefill, batches of more than 64 rows and byte tracing, and it is the test
+oracle. The same library has the prefill GEMM (``gemm``): bf16 prefill projections run
 on it where PyTorch's are slow (``cpu_proj._native_gemm_dtypes`` says where), gathering each routed group's tokens itself.
 
 Build: on first use the C source is compiled with the system compiler (``$CC``, default ``cc``;
@@ -35,7 +37,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "cpu_decode.c"
-ABI = 7
+ABI = 8
+#: Rows of one native step (the C WIDE_MAX_BATCH: a group's rows are one 64-bit set).
+MAX_BATCH = 64
 FMT_CODE = {torch.float32: 0, torch.bfloat16: 1}
 # The C enum FMT_* of a quantized Proj's format.
 QUANT_CODE = {"int8": 2, "int4": 3}
@@ -50,7 +54,7 @@ class _WLayer(ctypes.Structure):
         (n, _P) for n in ("qkv", "qkv_s", "o", "o_s", "gu", "gu_s", "down", "down_s", "bqkv", "bo", "ln_attn",
                           "ln_ffn", "q_norm", "k_norm", "ra_w", "ra_b", "rf_w", "rf_b", "sa", "sf", "keep_a",
                           "keep_f", "k_cache", "v_cache")
-    ]  # fmt: skip
+    ] + [(n, _I64) for n in ("keep_a_stride", "keep_f_stride")]  # fmt: skip
 
 
 class _WModel(ctypes.Structure):
@@ -160,7 +164,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.wide_decode_step.restype = _I64
     lib.wide_decode_step.argtypes = [_P, ctypes.POINTER(_WModel), _I64, _I64, _I64, _P, _P, _P]
     lib.wide_decode_scratch_floats.restype = _I64
-    lib.wide_decode_scratch_floats.argtypes = [ctypes.POINTER(_WModel)]
+    lib.wide_decode_scratch_floats.argtypes = [ctypes.POINTER(_WModel), _I64]
+    lib.wide_decode_batch.restype = _I64
+    lib.wide_decode_batch.argtypes = [_P, ctypes.POINTER(_WModel), _I64, _P, _P, _I64, _P, _P, _P, _P]
     lib.wide_gemm.restype = _I64
     lib.wide_gemm.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64]
     lib.wide_ctx_new.restype = _P
@@ -260,7 +266,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class NativeDecoder:
-    """The native batch-1 decode step of one ``Runtime`` on the cpu backend.
+    """The native decode step of one ``Runtime`` on the cpu backend (1 to ``MAX_BATCH`` rows).
 
     Holds fp32 copies of the small per-layer vectors (norms, biases) and pointers to the backend's
     weights (``_CpuLayer`` / ``Proj``), the engine's routers, stand-ins and keep masks, and the
@@ -379,64 +385,87 @@ class NativeDecoder:
         for i, w in enumerate(self.layers):
             w.k_cache, w.v_cache = cache.k[i].data_ptr(), cache.v[i].data_ptr()
         self.model.max_len = cache.max_len
-        n = self.lib.wide_decode_scratch_floats(ctypes.byref(self.model))
+        n = self.lib.wide_decode_scratch_floats(ctypes.byref(self.model), cache.batch)
         if self._scratch is None or self._scratch.numel() < n:
             self._scratch = torch.empty(n, dtype=torch.float32)
         self._cache_id = id(cache)
         self._cache_ref = cache
 
     def usable(self, cache) -> bool:
-        """Whether this step can run on ``cache`` (one row, the runtime's dtype, no padding)."""
+        """Whether this step can run on ``cache``: 1 to ``MAX_BATCH`` rows in the runtime's dtype
+        (padding slots are fine)."""
         return (
-            cache.batch == 1 and cache.all_valid and cache.k[0].dtype == self.rt.dtype
-            and all(k.is_contiguous() for k in cache.k[:1])
+            1 <= cache.batch <= MAX_BATCH and cache.k[0].dtype == self.rt.dtype
+            and all(k.is_contiguous() and v.is_contiguous() for k, v in zip(cache.k, cache.v))
+            and cache.key_valid.is_contiguous()
         )  # fmt: skip
 
-    def _force(self, slot: int) -> list:
+    def _force(self, slot: int, batch: int) -> list:
         """Point the layers' keep masks at the forced decisions of ``slot`` (``Runtime.forced``:
-        ``[G]`` for every token or ``[1, S_max, G]`` by slot; they win over routers as in the
-        engine). Returns what to restore."""
+        ``[G]`` for every token, or ``[B, S_max, G]`` by row and slot, ``B`` 1 or the batch; they
+        win over routers as in the engine). Returns what to restore."""
         saved, rows = [], []
         for i, w in enumerate(self.layers):
-            saved.append((w, w.keep_a, w.keep_f))
+            saved.append((w, w.keep_a, w.keep_f, w.keep_a_stride, w.keep_f_stride))
             for mod, attr in (("attention", "keep_a"), ("ffn", "keep_f")):
                 f = self.rt.forced.get((i, mod))
                 if f is None:
                     continue
-                row = (f if f.dim() == 1 else f[0, slot]).to("cpu", torch.uint8).contiguous()
+                if f.dim() == 1:
+                    row, stride = f.to("cpu", torch.uint8).contiguous(), 0
+                else:
+                    row = f[:, slot].expand(batch, f.shape[-1]).to("cpu", torch.uint8).contiguous()
+                    stride = row.shape[1]
                 rows.append(row)
                 setattr(w, attr, row.data_ptr())
+                setattr(w, attr + "_stride", stride)
         self._forced_rows = rows  # alive until the next step
         return saved
 
-    def step(self, token: int, cache) -> torch.Tensor:
-        """Run ``token`` through every layer into the next slot of ``cache`` (batch 1, all slots
-        real); returns fp32 logits ``[1, V]``. Adds executed multiply-adds to the runtime's
+    def step(self, tokens: list[int], cache, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one new token per row of ``cache`` (``tokens[b]`` for row b) through every layer into
+        the cache's next slot; returns fp32 logits ``[B, V]``. ``valid [B, 1]`` bool marks rows whose
+        token is padding (finished rows riding along: computed, their slot masked like the PyTorch
+        path's). Adds executed multiply-adds and the weight bytes read to the runtime's
         ``Counter`` and decisions to its sparsity statistics.
 
         Raises:
-            ValueError: a token id outside the vocabulary, or a full cache.
+            ValueError: a token id outside the vocabulary, a full cache, or a batch that does not
+                match the cache.
         """
-        if not 0 <= token < self.model.V:
-            raise ValueError(f"token id {token} outside the vocabulary [0, {self.model.V})")
+        B = len(tokens)
+        if B != cache.batch:
+            raise ValueError(f"{B} tokens for a cache of {cache.batch} rows")
+        for t in tokens:
+            if not 0 <= t < self.model.V:
+                raise ValueError(f"token id {t} outside the vocabulary [0, {self.model.V})")
         if self._cache_id != id(cache):
             self._bind(cache)
-        slot, pos = cache.append_one()
+        if B == 1 and (valid is None or bool(valid.all())):
+            slot, p = cache.append_one()
+            pos = torch.tensor([p], dtype=torch.int64)
+        else:
+            ok = torch.ones(B, 1, dtype=torch.bool) if valid is None else valid.to("cpu", torch.bool).reshape(B, 1)
+            slot, positions = cache.append_slots(ok)
+            pos = positions[:, 0].contiguous()
+        tok = torch.tensor(tokens, dtype=torch.int64)
+        kvalid = None if cache.all_valid else cache.key_valid.data_ptr()
         self.model.nthreads = torch.get_num_threads()
         self.model.routing = int(self.rt.routing)
-        logits = torch.empty(1, self.model.V, dtype=torch.float32)
+        logits = torch.empty(B, self.model.V, dtype=torch.float32)
         c = self.counts
         c.zero_()
-        saved = self._force(slot) if self.rt.forced else None
+        saved = self._force(slot, B) if self.rt.forced else None
         try:
-            rc = self.lib.wide_decode_step(context(self.lib), ctypes.byref(self.model), token, pos, slot, logits.data_ptr(),
-                                           c.data_ptr(), self._scratch.data_ptr())
+            rc = self.lib.wide_decode_batch(context(self.lib), ctypes.byref(self.model), B, tok.data_ptr(),
+                                            pos.data_ptr(), slot, kvalid, logits.data_ptr(), c.data_ptr(),
+                                            self._scratch.data_ptr())  # fmt: skip
         finally:
             if saved is not None:
-                for w, ka, kf in saved:
-                    w.keep_a, w.keep_f = ka, kf
+                for w, ka, kf, sa, sf in saved:
+                    w.keep_a, w.keep_f, w.keep_a_stride, w.keep_f_stride = ka, kf, sa, sf
         if rc != 0:
-            raise ValueError(f"native decode step refused token {token} at slot {slot}")
+            raise ValueError(f"native decode step refused tokens {tokens} at slot {slot}")
         ctr = self.rt.counter
         for name, v in zip(COUNTERS, c.tolist(), strict=True):
             setattr(ctr, name, getattr(ctr, name) + v)

@@ -171,7 +171,7 @@ class Runtime:
         self.meta = [layer_meta(lw, dev, self.dtype) for lw in weights.layers]
         self.layers = [self.backend.prepare_layer(lw, self.dtype) for lw in weights.layers]
         self.stats = SparsityStats(len(self.layers), dev)
-        # The native batch-1 decode step is used where it can run (``_native_for``); False keeps
+        # The native decode step (1-64 rows) is used where it can run (``_native_for``); False keeps
         # every step on the PyTorch path (the oracle in tests, ``wide bench``'s torch rows).
         self.native_decode = getattr(self.backend, "name", None) == "cpu"
         #: the export's features (``wide_cli.features``) when loaded from an export, else None;
@@ -368,13 +368,13 @@ class Runtime:
         from wide_cli.models.loader import check_token_ids
 
         B, T = input_ids.shape
-        if B == 1 and T == 1 and logits != "all" and (valid is None or bool(valid.all())):
+        if T == 1 and logits != "all":
             native = self._native_for(cache)
             if native is not None:
-                token = int(input_ids[0, 0])
-                if not 0 <= token < self.vocab_size:
+                tokens = input_ids[:, 0].tolist()
+                if not all(0 <= t < self.vocab_size for t in tokens):
                     check_token_ids(input_ids, self.vocab_size)  # raises the same DataError as below
-                out = native.step(token, cache)
+                out = native.step(tokens, cache, valid)
                 return None if logits == "none" else out
         input_ids = input_ids.to(self.device)
         check_token_ids(input_ids, self.vocab_size)
@@ -406,7 +406,7 @@ class Runtime:
 
     def _native_for(self, cache: KVCache):
         """The native decode step (``runtime/cpu_native.py``) when it can run this call: the cpu
-        backend, no byte tracing, a one-row cache without padding; else None."""
+        backend, no byte tracing, a cache of at most ``cpu_native.MAX_BATCH`` rows; else None."""
         if self.counter.trace is not None or not self.native_decode:
             return None
         nd = self._native
