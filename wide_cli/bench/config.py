@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from wide_cli.errors import ConfigError
 
 # dense HF transformers; the runtime with routing off; the runtime's PyTorch decode step (without
-# the native batch-1 step, routed and dense: what the native step is measured against); llama.cpp
+# the native step, routed and dense: what the native step is measured against); llama.cpp
 SYSTEMS_FIXED = ("hf", "dense", "cpu-torch", "dense-torch", "llama.cpp")
 LLAMA_CPP_TYPES = ("F16", "Q8_0", "Q4_0")
 
@@ -24,7 +24,7 @@ class BenchConfig:
         repeats: timed rounds (median reported); warmup: untimed rounds first.
         systems: ``hf``, ``dense`` (runtime, routing off, on ``dense_backend``), backend names
             (routed), ``cpu-torch`` / ``dense-torch`` (the cpu backend routed / dense with its
-            PyTorch decode step instead of the native batch-1 step), ``llama.cpp`` (``llama-cpp-python``, the GGUF types of ``llama_cpp_types``,
+            PyTorch decode step instead of the native one), ``llama.cpp`` (``llama-cpp-python``, the GGUF types of ``llama_cpp_types``,
             batch-1 shapes only).
         dense_backend: backend of the ``dense`` system.
         dtype: ``fp32`` / ``bf16``: shorthand for ``weights`` (None = fp32).

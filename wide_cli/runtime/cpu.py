@@ -14,11 +14,11 @@ step), in the backend's weight format (``fp32``, ``bf16``, or ``int8`` / ``int4`
 Every GEMM adds its multiply-adds to ``Counter`` (``wide bench``'s executed share) and, in tests,
 the byte spans it read (a skipped group reads none).
 
-Decode at batch 1 does not come here: ``Runtime.step`` hands a one-row, one-token step to the
-native step (``runtime/cpu_native.py``, ``kernels/cpu_decode.c``), which reads these same ``Proj``
-tensors from C, one call per token. This module runs prefill, batches of several rows, padded caches
-and byte tracing, and is the native step's oracle in tests. The measurements below are of this
-PyTorch path.
+Decode of 1-64 rows does not come here: ``Runtime.step`` hands a one-token step to the native
+step (``runtime/cpu_native.py``, ``kernels/cpu_decode.c``), which reads these same ``Proj``
+tensors from C, one call per step, each row running its own groups. This module runs prefill,
+batches of more than 64 rows and byte tracing, and is the native step's oracle in tests. The
+measurements below are of this PyTorch path.
 
 int8 decode, profiled with the torch profiler on the SmolLM2-135M demo export (batch 1, 1 thread,
 shared machine): 56 % of the step is the int8 GEMM itself (~14 calls per layer plus the LM head,

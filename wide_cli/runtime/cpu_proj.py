@@ -18,8 +18,8 @@ from wide_cli.runtime.cpu_plan import SMALL_M, mask_state, skip_plan
 
 def _native_gemm_dtypes() -> frozenset:
     """Compute dtypes whose projections run on the native GEMM (``cpu_native.gemm``) instead of
-    PyTorch's, wherever the batch-1 decode step does not run them (prefill, batches, padded
-    caches). ``WIDE_CPU_GEMM=native`` / ``torch`` forces the choice for bf16 (benchmarks).
+    PyTorch's, wherever the native decode step does not run them (prefill, batches of more than
+    64 rows, byte tracing). ``WIDE_CPU_GEMM=native`` / ``torch`` forces the choice for bf16 (benchmarks).
 
     bf16 on CPUs without AVX512-BF16 (or AMX): there the PyTorch CPU build runs bf16 GEMMs on a
     slow path (~9 GFLOP/s against the kernel's ~80 at 1024 x 3072 x 576, and a 16-row call in
