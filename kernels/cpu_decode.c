@@ -1163,6 +1163,61 @@ static void attn_job(void *arg, int64_t part, int64_t parts) {
     }
 }
 
+/* The routed O projection of B rows: ys[b][0:N] += att[b][groups] @ W[groups] over the head groups
+ * row b executes (ex [B][G], groups of `cols` channels). cnt: the rows' multiply-adds and the bytes
+ * of the union of their groups. */
+static void out_sets(WCtx *c, int64_t fmt, int64_t blocked, const void *W, const void *S, int64_t N, int64_t cols,
+                     int64_t G, int64_t B, float *const *att, const uint8_t *ex, float *const *ys, int64_t *cnt) {
+    int64_t runs[2 * 4096];
+    uint64_t sets[4096];
+    Vec vs[WIDE_MAX_BATCH];
+    for (int64_t b = 0; b < B; b++) vs[b] = prepare_vec(&c->vec[b], fmt, att[b], G * cols);
+    const int64_t nr = set_runs(ex, B, G, runs, sets);
+    run_k_sets(&c->pool, fmt, blocked, W, S, N, cols, runs, sets, nr, vs, ys);
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t ng = runs[2 * r + 1] - runs[2 * r];
+        cnt[CNT_MACS] += __builtin_popcountll(sets[r]) * ng * cols * N;
+        cnt[CNT_WEIGHT_BYTES] += ng * wbytes(fmt, N, cols);
+    }
+}
+
+/* The routed SwiGLU FFN of B rows: ys[b][0:D] += down(silu(gate h[b]) * up h[b]) over the groups
+ * row b executes (ex [B][GF], groups of fg channels); gu: [GF 2 fg, D] group-major gate | up rows;
+ * hid[b]: scratch of GF fg 3 floats; bf: round like the bf16 PyTorch path. cnt as out_sets. */
+static void ffn_sets(WCtx *c, int64_t fmt, int64_t blocked, const void *gu, const void *gu_s, const void *down,
+                     const void *down_s, int64_t D, int64_t GF, int64_t fg, int64_t bf, int64_t B, float *const *h,
+                     const uint8_t *ex, float *const *hid, float *const *ys, int64_t *cnt) {
+    int64_t runs[2 * 4096], rows[2 * 4096];
+    uint64_t sets[4096];
+    Vec vs[WIDE_MAX_BATCH];
+    for (int64_t b = 0; b < B; b++) vs[b] = prepare_vec(&c->vec[b], fmt, h[b], D);
+    const int64_t nr = set_runs(ex, B, GF, runs, sets);
+    /* gate|up rows of each run land group-major in hid: [j][gate fg | up fg] */
+    for (int64_t r = 0; r < 2 * nr; r++) rows[r] = runs[r] * 2 * fg;
+    run_rows_sets(&c->pool, fmt, gu, gu_s, D, rows, sets, nr, vs, hid);
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t ng = runs[2 * r + 1] - runs[2 * r];
+        cnt[CNT_MACS] += __builtin_popcountll(sets[r]) * ng * 3 * fg * D;
+        cnt[CNT_WEIGHT_BYTES] += wbytes(fmt, ng * 2 * fg, D) + ng * wbytes(fmt, D, fg);
+    }
+    /* SwiGLU into act [GF fg] (the reduction axis of down), each row's active groups only */
+    for (int64_t b = 0; b < B; b++) {
+        float *act = hid[b] + GF * 2 * fg;
+        for (int64_t j = 0; j < GF; j++) {
+            if (!ex[b * GF + j]) continue;
+            const float *g = hid[b] + j * 2 * fg, *u = g + fg;
+            float *o = act + j * fg;
+            for (int64_t i = 0; i < fg; i++) {
+                float gv = bf ? round_bf16(g[i]) : g[i], uv = bf ? round_bf16(u[i]) : u[i];
+                float sv = gv / (1.0f + expf(-gv));
+                o[i] = bf ? round_bf16(round_bf16(sv) * uv) : sv * uv;
+            }
+        }
+        vs[b] = prepare_vec(&c->vec[b], fmt, act, GF * fg);
+    }
+    run_k_sets(&c->pool, fmt, blocked, down, down_s, D, fg, runs, sets, nr, vs, ys);
+}
+
 /* Floats of one batch row's layer scratch (see layer_step). */
 static int64_t row_scratch_floats(const WModel *m) {
     int64_t mx = 0;
@@ -1281,15 +1336,9 @@ static void layer_step(WCtx *c, const WModel *m, int64_t li, int64_t B, float *x
     for (int64_t b = 0; b < B; b++) {
         if (L->bo) for (int64_t i = 0; i < D; i++) Y(b)[i] = L->bo[i];
         else memset(Y(b), 0, (size_t)D * sizeof(float));
-        vs[b] = prepare_vec(&c->vec[b], fmt, ATT(b), Nq);
         ys[b] = Y(b);
     }
-    run_k_sets(&c->pool, fmt, L->blocked, L->o, L->o_s, D, cols, runs, sets, nr, vs, ys);
-    for (int64_t r = 0; r < nr; r++) {
-        const int64_t ng = runs[2 * r + 1] - runs[2 * r];
-        cnt[CNT_MACS] += __builtin_popcountll(sets[r]) * ng * cols * D;
-        cnt[CNT_WEIGHT_BYTES] += ng * wbytes(fmt, D, cols);
-    }
+    out_sets(c, fmt, L->blocked, L->o, L->o_s, D, cols, GA, B, atts, exa, ys, cnt);
     for (int64_t b = 0; b < B; b++) {
         float *x = X(b), *y = Y(b);
         for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
@@ -1297,41 +1346,17 @@ static void layer_step(WCtx *c, const WModel *m, int64_t li, int64_t B, float *x
     }
 
     /* FFN: routers on the residual streams after the attention add (hid holds their logits) */
+    float *hs[WIDE_MAX_BATCH], *hids[WIDE_MAX_BATCH];
     for (int64_t b = 0; b < B; b++) {
         const uint8_t *keep = L->keep_f ? L->keep_f + b * L->keep_f_stride : NULL;
-        int64_t nf = decide(m, li, 1, L->rf_w, L->rf_b, keep, GF, X(b), exf + b * GF, HID(b), cnt, (int)(live >> b & 1));
+        decide(m, li, 1, L->rf_w, L->rf_b, keep, GF, X(b), exf + b * GF, HID(b), cnt, (int)(live >> b & 1));
         rms_norm(X(b), L->ln_ffn, D, m->eps, bf, H_(b));
-        vs[b] = prepare_vec(&c->vec[b], fmt, H_(b), D);
-        ys[b] = HID(b);
-        cnt[CNT_MACS] += nf * 3 * fg * D;
-    }
-    nr = set_runs(exf, B, GF, runs, sets);
-    /* gate|up rows of each run land group-major in hid: [j][gate fg | up fg] */
-    for (int64_t r = 0; r < 2 * nr; r++) rows[r] = runs[r] * 2 * fg;
-    run_rows_sets(&c->pool, fmt, L->gu, L->gu_s, D, rows, sets, nr, vs, ys);
-    for (int64_t r = 0; r < nr; r++) {
-        const int64_t ng = runs[2 * r + 1] - runs[2 * r];
-        cnt[CNT_WEIGHT_BYTES] += wbytes(fmt, ng * 2 * fg, D) + ng * wbytes(fmt, D, fg);
-    }
-    /* SwiGLU into act [GF fg] (the reduction axis of down), each row's active groups only */
-    for (int64_t b = 0; b < B; b++) {
-        const float *hid = HID(b);
-        float *act = HID(b) + GF * 2 * fg;
-        for (int64_t j = 0; j < GF; j++) {
-            if (!exf[b * GF + j]) continue;
-            const float *g = hid + j * 2 * fg, *u = g + fg;
-            float *o = act + j * fg;
-            for (int64_t i = 0; i < fg; i++) {
-                float gv = bf ? round_bf16(g[i]) : g[i], uv = bf ? round_bf16(u[i]) : u[i];
-                float sv = gv / (1.0f + expf(-gv));
-                o[i] = bf ? round_bf16(round_bf16(sv) * uv) : sv * uv;
-            }
-        }
+        hs[b] = H_(b);
+        hids[b] = HID(b);
         memset(Y(b), 0, (size_t)D * sizeof(float));
-        vs[b] = prepare_vec(&c->vec[b], fmt, act, GF * fg);
         ys[b] = Y(b);
     }
-    run_k_sets(&c->pool, fmt, L->blocked, L->down, L->down_s, D, fg, runs, sets, nr, vs, ys);
+    ffn_sets(c, fmt, L->blocked, L->gu, L->gu_s, L->down, L->down_s, D, GF, fg, bf, B, hs, exf, hids, ys, cnt);
     for (int64_t b = 0; b < B; b++) {
         float *x = X(b), *y = Y(b);
         for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
@@ -1774,6 +1799,52 @@ int64_t wide_decode_batch(WCtx *c, const WModel *m, int64_t B, const int64_t *to
         cnt[CNT_MACS] += __builtin_popcountll(live) * V * D;
         cnt[CNT_WEIGHT_BYTES] += wbytes(m->head_fmt, V, D);
     }
+    return 0;
+}
+
+/* Reserve the context for B rows of reduction width up to K; sets the pool's thread count. */
+static int64_t ctx_rows(WCtx *c, int64_t nthreads, int64_t B, int64_t K) {
+    if (B < 1 || B > WIDE_MAX_BATCH) return -1;
+    if (nthreads != c->pool.n) pool_resize(&c->pool, nthreads);
+    for (int64_t b = 0; b < B; b++)
+        if (vec_reserve(&c->vec[b], K) != 0) return -1;
+    return 0;
+}
+
+/* One routed SwiGLU FFN for M <= 64 tokens outside a decode step (the vLLM plugin's decode
+ * steps): y [M][D] = the FFN of x [M][D] (fp32) over the groups each token executes (mask
+ * [M][GF], 1 = execute), layouts and formats of layer_step (gu rows, down w_t or blocked), each
+ * group's weights read once for all tokens that execute it. scratch: M GF fg 3 floats; cnt[0..3]
+ * as wide_decode_batch. Returns 0, or -1 for bad arguments. */
+int64_t wide_ffn_rows(WCtx *c, int64_t nthreads, int64_t fmt, int64_t blocked, int64_t bf, const void *gu,
+                      const void *gu_s, const void *down, const void *down_s, int64_t D, int64_t GF, int64_t fg,
+                      int64_t M, const float *x, const uint8_t *mask, float *y, float *scratch, int64_t *cnt) {
+    if (GF > 4096 || ctx_rows(c, nthreads, M, D > GF * fg ? D : GF * fg) != 0) return -1;
+    float *hs[WIDE_MAX_BATCH], *hids[WIDE_MAX_BATCH], *ys[WIDE_MAX_BATCH];
+    for (int64_t b = 0; b < M; b++) {
+        hs[b] = (float *)x + b * D;
+        hids[b] = scratch + b * GF * fg * 3;
+        ys[b] = y + b * D;
+        memset(ys[b], 0, (size_t)D * sizeof(float));
+    }
+    ffn_sets(c, fmt, blocked, gu, gu_s, down, down_s, D, GF, fg, bf, M, hs, mask, hids, ys, cnt);
+    return 0;
+}
+
+/* One routed O projection for M <= 64 tokens: y [M][N] = a [M][G cols] (fp32) times the O
+ * weights over the head groups each token executes (mask [M][G]). cnt as wide_decode_batch.
+ * Returns 0, or -1 for bad arguments. */
+int64_t wide_out_rows(WCtx *c, int64_t nthreads, int64_t fmt, int64_t blocked, const void *o, const void *o_s,
+                      int64_t N, int64_t cols, int64_t G, int64_t M, const float *a, const uint8_t *mask, float *y,
+                      int64_t *cnt) {
+    if (G > 4096 || ctx_rows(c, nthreads, M, G * cols) != 0) return -1;
+    float *as[WIDE_MAX_BATCH], *ys[WIDE_MAX_BATCH];
+    for (int64_t b = 0; b < M; b++) {
+        as[b] = (float *)a + b * G * cols;
+        ys[b] = y + b * N;
+        memset(ys[b], 0, (size_t)N * sizeof(float));
+    }
+    out_sets(c, fmt, blocked, o, o_s, N, cols, G, M, as, mask, ys, cnt);
     return 0;
 }
 

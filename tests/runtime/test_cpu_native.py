@@ -406,3 +406,51 @@ def test_padded_rows_in_a_batch_step_compute_nothing(routed_model):
     want = rt.step(torch.tensor([[7]]), None, alone)
     assert torch.equal(batch_decisions, rt.stats.decisions - before)  # row 0's only
     torch.testing.assert_close(lg[:1], want, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------- routed projections (serving)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_routed_ffn_and_out_rows_match_the_masking_oracle(fmt, M):
+    """``cpu_native.routed_ffn`` / ``routed_out`` (each token over its own groups, what the vLLM
+    plugin's decode steps run) against ``ops``' masking definitions on the same weights: random
+    masks, all-on and all-off rows among them."""
+    from test_weight_formats import rel_atol
+
+    from wide_cli.quant import dequantize, quantize
+    from wide_cli.runtime import ops
+    from wide_cli.runtime.backend import Counter
+    from wide_cli.runtime.cpu_proj import Proj, grouped_gate_up
+
+    g = torch.Generator().manual_seed(M)
+    D, F, fg, H, d, ag = 64, 256, 32, 4, 16, 2
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+    w_gate, w_up, w_down = (torch.randn(s, generator=g) * 0.1 for s in ((F, D), (F, D), (D, F)))
+    w_o = torch.randn(D, H * d, generator=g) * 0.1
+    x = torch.randn(M, D, generator=g)
+    a = torch.randn(M, H * d, generator=g)
+    mf = torch.rand(M, F // fg, generator=g) < 0.5
+    mo = torch.rand(M, H // ag, generator=g) < 0.5
+    mf[0], mo[0] = True, True
+    if M > 1:
+        mf[1], mo[1] = False, False
+    proj_fmt = "float" if fmt in ("fp32", "bf16") else fmt
+    gu = Proj(grouped_gate_up(w_gate, w_up, fg).to(dtype), "n", proj_fmt, dtype, "cpu", Counter())
+    down = Proj(w_down.to(dtype), "k", proj_fmt, dtype, "cpu", Counter(), fg)
+    o = Proj(w_o.to(dtype), "k", proj_fmt, dtype, "cpu", Counter(), ag * d)
+    got_ffn = cpu_native.routed_ffn(gu, down, x.to(dtype), mf)
+    got_out = cpu_native.routed_out(o, a.to(dtype), mo)
+    def q(w):  # the values the kernels multiply
+        return dequantize(*quantize(w, fmt)).float() if proj_fmt != "float" else w.to(dtype).float()
+
+    xq = x.to(dtype).float()
+    want_ffn = ops.gemm_k(ops.gemm_mn_swiglu(xq, q(w_gate), q(w_up), mf, fg), q(w_down), mf, fg)
+    want_out = ops.gemm_k(a.to(dtype).float(), q(w_o), mo, ag * d)
+    for got, want in ((got_ffn, want_ffn), (got_out, want_out)):
+        assert got is not None and got.shape == want.shape and got.dtype == dtype
+        tol = 1e-5 if fmt == "fp32" else rel_atol(fmt) * float(want.abs().max())
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=0)
+    if M > 1:  # a token that executes nothing gets exactly nothing
+        assert not got_ffn[1].any() and not got_out[1].any()

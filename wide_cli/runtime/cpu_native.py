@@ -165,6 +165,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.wide_decode_step.argtypes = [_P, ctypes.POINTER(_WModel), _I64, _I64, _I64, _P, _P, _P]
     lib.wide_decode_scratch_floats.restype = _I64
     lib.wide_decode_scratch_floats.argtypes = [ctypes.POINTER(_WModel), _I64]
+    lib.wide_ffn_rows.restype = _I64
+    lib.wide_ffn_rows.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P]
+    lib.wide_out_rows.restype = _I64
+    lib.wide_out_rows.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P]
     lib.wide_decode_batch.restype = _I64
     lib.wide_decode_batch.argtypes = [_P, ctypes.POINTER(_WModel), _I64, _P, _P, _I64, _P, _P, _P, _P]
     lib.wide_gemm.restype = _I64
@@ -259,6 +263,62 @@ def gemm(a: torch.Tensor, w: torch.Tensor, layout: str, out: torch.Tensor, *, ar
                        a.data_ptr(), a.stride(0), _ptr(arows), M, out.data_ptr(), out.stride(0), _ptr(orows),
                        int(accumulate), torch.get_num_threads())
     return rc == 0
+
+
+def _proj_fmt(p) -> int | None:
+    """The C format code of a ``cpu_proj.Proj`` (None: a dtype the library does not run)."""
+    return QUANT_CODE[p.fmt] if p.quantized else FMT_CODE.get(p.dtype)
+
+
+def _proj_ptrs(p) -> tuple[int, int | None]:
+    """Weight and scale pointers of a ``Proj`` in the layouts the C step reads."""
+    if p.quantized:
+        return p.q.data_ptr(), p.s.data_ptr()
+    return (p.w if p.axis == "n" else p.w_t).data_ptr(), None
+
+
+def routed_ffn(gu, down, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+    """The routed SwiGLU FFN of ``x [M, D]`` for ``M <= MAX_BATCH`` tokens, each over its own groups
+    (``mask [M, G]`` bool), every group's weights read once for the tokens that execute it: the
+    native step's FFN (``wide_ffn_rows``) on ``cpu_proj`` projections ``gu`` (axis n, group-major
+    gate | up) and ``down`` (axis k). Returns ``[M, D]`` in ``x``'s dtype, or None when the library
+    cannot run it (no library, more tokens, another format): the caller runs its PyTorch path."""
+    lib = library()
+    M, D = x.shape
+    fmt = _proj_fmt(down)
+    if lib is None or M > MAX_BATCH or fmt is None or _proj_fmt(gu) != fmt:
+        return None
+    g = down.g
+    G = down.K // g
+    xf = x.to(torch.float32).contiguous()
+    m = mask.to(torch.uint8).contiguous()
+    y = torch.empty(M, D, dtype=torch.float32)
+    scratch = torch.empty(M * G * g * 3, dtype=torch.float32)
+    cnt = torch.zeros(len(COUNTERS), dtype=torch.int64)
+    (wg, sg), (wd, sd) = _proj_ptrs(gu), _proj_ptrs(down)
+    rc = lib.wide_ffn_rows(context(lib), torch.get_num_threads(), fmt, 0, int(x.dtype == torch.bfloat16), wg, sg, wd, sd,
+                           D, G, g, M, xf.data_ptr(), m.data_ptr(), y.data_ptr(), scratch.data_ptr(), cnt.data_ptr())  # fmt: skip
+    return None if rc != 0 else y.to(x.dtype)
+
+
+def routed_out(o, a: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+    """The routed O projection of ``a [M, G cols]`` for ``M <= MAX_BATCH`` tokens, each over its own
+    head groups (``mask [M, G]``): ``wide_out_rows`` on the axis-k ``cpu_proj`` projection ``o``.
+    Returns ``[M, N]`` in ``a``'s dtype, or None (as ``routed_ffn``)."""
+    lib = library()
+    M = a.shape[0]
+    fmt = _proj_fmt(o)
+    if lib is None or M > MAX_BATCH or fmt is None:
+        return None
+    G = mask.shape[1]
+    af = a.to(torch.float32).contiguous()
+    m = mask.to(torch.uint8).contiguous()
+    y = torch.empty(M, o.N, dtype=torch.float32)
+    cnt = torch.zeros(len(COUNTERS), dtype=torch.int64)
+    w, s = _proj_ptrs(o)
+    rc = lib.wide_out_rows(context(lib), torch.get_num_threads(), fmt, 0, w, s, o.N, o.g, G, M, af.data_ptr(),
+                           m.data_ptr(), y.data_ptr(), cnt.data_ptr())  # fmt: skip
+    return None if rc != 0 else y.to(a.dtype)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -376,10 +436,7 @@ class NativeDecoder:
 
     @staticmethod
     def _proj(p) -> tuple[int, int | None]:
-        if p.quantized:
-            return p.q.data_ptr(), p.s.data_ptr()
-        w = p.w if p.axis == "n" else p.w_t
-        return w.data_ptr(), None
+        return _proj_ptrs(p)
 
     def _bind(self, cache) -> None:
         for i, w in enumerate(self.layers):

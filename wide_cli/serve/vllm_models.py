@@ -66,7 +66,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from wide_cli.artifacts import ROUTERS_FILE, is_router_tensor
-from wide_cli.runtime import cpu_proj, ops
+from wide_cli.runtime import cpu_native, cpu_proj, ops
 from wide_cli.runtime.cpu_plan import SMALL_M, skip_plan
 from wide_cli.serve.config import SERVE_MODES, check_tensor_parallel
 
@@ -80,16 +80,17 @@ def reset_stats() -> None:
         v["executed"] = v["dense"] = 0
 
 
-def _count(kind: str, plan, mask: torch.Tensor, group_macs: int, M: int) -> None:
-    """Add what ``cpu_proj``'s chosen path executes for this call: the union of active groups for
-    every token (small M), the (token, group) pairs that execute (large M), or everything."""
+def _count(kind: str, plan, mask: torch.Tensor, group_macs: int, M: int, own: bool = False) -> None:
+    """Add what the chosen path executes for this call: each token's own groups (``own``: the
+    native kernels, or large M), the union of active groups for every token (``cpu_proj``'s small-M
+    path), or everything."""
     state, runs, _ = plan
     G = mask.shape[1]
     if state == "dense":
         n = M * G
     elif state == "none":
         n = 0
-    elif M <= SMALL_M:
+    elif M <= SMALL_M and not own:
         n = M * sum(e - s for s, e in runs)
     else:
         n = int(mask.sum())
@@ -124,6 +125,13 @@ def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
     op = _OP_MODULES[op_id]
     plan = skip_plan(mask)
     M, G = mask.shape
+    if plan[0] == "sparse" and M <= SMALL_M:
+        # a decode step: each token over its own groups, a group's weights read once for all
+        # the tokens that execute it (the runtime's native step kernels)
+        y = cpu_native.routed_ffn(op.gu, op.down, x, mask)
+        if y is not None:
+            _count("ffn", plan, mask, 3 * op.group_size * x.shape[1], M, own=True)
+            return y
     _count("ffn", plan, mask, 3 * op.group_size * x.shape[1], M)
     mlp = op._mlp[0]
     if _covers_all(plan, M, G) and hasattr(mlp.down_proj, "cpu_linear"):
@@ -145,6 +153,11 @@ def _out_cpu(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int)
     op = _OP_MODULES[op_id]
     plan = skip_plan(mask)
     M, G = mask.shape
+    if plan[0] == "sparse" and M <= SMALL_M:
+        y = cpu_native.routed_out(op.o, o, mask)
+        if y is not None:
+            _count("attention", plan, mask, op.group_cols * out_features, M, own=True)
+            return y
     _count("attention", plan, mask, op.group_cols * out_features, M)
     o_proj = op._o[0]
     if _covers_all(plan, M, G) and hasattr(o_proj, "cpu_linear"):
