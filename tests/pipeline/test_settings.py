@@ -186,3 +186,19 @@ def test_recipe_numbers_must_be_finite_and_in_range(tmp_path, text, message):
     with pytest.raises(ConfigError) as e:
         load_recipe(_write(tmp_path, text))
     assert e.value.message == message
+
+
+@pytest.mark.parametrize(("flags", "device", "want"),
+                         [("fpu avx2 fma", "cpu", "fp32"), ("fpu avx2 avx512f avx512_bf16", "cpu", "bf16"),
+                          ("fpu amx_bf16 amx_tile", "cpu", "bf16"), ("fpu avx2", "cuda", "bf16")])  # fmt: skip
+def test_training_dtype_auto_is_bf16_only_where_the_hardware_multiplies_it(flags, device, want, monkeypatch):
+    """The demo recipe's ``auto``: PyTorch's bf16 path is several times slower than fp32 on CPUs
+    without AVX512-BF16 or AMX, so training runs fp32 there."""
+    from wide_cli.pipeline.common import effective_settings
+    from wide_cli.runtime import cpu_native
+
+    monkeypatch.setattr(cpu_native, "cpu_flags", lambda: "flags\t\t: " + flags)
+    s = resolve_settings(None, "smollm2-135m-cpu", {})
+    assert s.train.dtype == "auto"
+    s = s.replace("model", device=device)
+    assert effective_settings(s).train.dtype == want

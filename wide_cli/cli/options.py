@@ -112,7 +112,7 @@ CheckpointEvery = Annotated[int | None, typer.Option("--checkpoint-every", help=
 GradCheckpointing = Annotated[bool | None, typer.Option("--grad-checkpointing/--no-grad-checkpointing", help="Recompute each decoder layer in backward: less activation memory, ~1/3 more compute.")]
 MaxMemory = Annotated[str | None, typer.Option("--max-memory", help="Memory one training process may use, e.g. 24GiB (default: what the device has free).")]
 Dtype = Annotated[str | None, typer.Option("--dtype", help="fp32 | bf16 | fp16 (fp16 on CPU is upcast to fp32).")]
-TrainDtype = Annotated[str | None, typer.Option("--train-dtype", help="Training autocast: fp32 | bf16 | fp16 (CUDA).")]
+TrainDtype = Annotated[str | None, typer.Option("--train-dtype", help="Training autocast: fp32 | bf16 | fp16 (CUDA) | auto (bf16 where the hardware multiplies it).")]
 Device = Annotated[str | None, typer.Option("--device", help="cpu | cuda | cuda:N.")]
 RouterInit = Annotated[str | None, typer.Option("--router-init", help="default | calibration.")]
 EvalSeqLen = Annotated[int | None, typer.Option("--eval-seq-len", help="Perplexity window length (default: --seq-len).")]

@@ -15,7 +15,8 @@ log = logging.getLogger("wide")
 
 def effective_settings(settings: Settings) -> Settings:
     """Settings as they will run: fp16 on CPU becomes fp32 with one warning (CPU
-    fp16 matmuls are missing or very slow in PyTorch)."""
+    fp16 matmuls are missing or very slow in PyTorch); training dtype ``auto`` becomes bf16 on CUDA
+    and on CPUs with bf16 hardware (``cpu_native.fast_bf16``), else fp32."""
     if settings.model.dtype in ("fp16", "float16") and not str(settings.model.device).startswith("cuda"):
         warnings.warn(
             "fp16 is not supported on CPU; computing in fp32 instead (pass --dtype fp32 or bf16 on CPU, "
@@ -24,6 +25,11 @@ def effective_settings(settings: Settings) -> Settings:
             stacklevel=2,
         )
         settings = settings.replace("model", dtype="fp32")
+    if settings.train.dtype == "auto":
+        from wide_cli.train.config import resolve_dtype
+
+        device_type = "cuda" if str(settings.model.device).startswith("cuda") else "cpu"
+        settings = settings.replace("train", dtype=resolve_dtype("auto", device_type))
     if settings.train.dtype == "fp16" and not str(settings.model.device).startswith("cuda"):
         warnings.warn("fp16 training autocast needs CUDA; training in fp32 on CPU (use --train-dtype bf16)",
                       UserWarning, stacklevel=2)

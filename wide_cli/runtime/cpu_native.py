@@ -81,6 +81,14 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
+def fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): PyTorch's bf16 GEMMs are
+    fast there and run a slow path elsewhere (about 7 against 55 GFLOP/s for fp32 on an AVX2 EPYC,
+    1 thread)."""
+    flags = cpu_flags().split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def _cache_root() -> Path:
     return Path(os.environ.get("WIDE_CACHE") or "~/.cache/wide").expanduser() / "native"
 

@@ -33,9 +33,7 @@ def _native_gemm_dtypes() -> frozenset:
         return frozenset()
     if choice == "native":
         return frozenset({torch.bfloat16})
-    flags = cpu_native.cpu_flags().split()
-    fast_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
-    return frozenset() if fast_bf16 else frozenset({torch.bfloat16})
+    return frozenset() if cpu_native.fast_bf16() else frozenset({torch.bfloat16})
 
 
 @functools.cache

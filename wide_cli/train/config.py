@@ -6,7 +6,17 @@ from dataclasses import asdict, dataclass
 
 from wide_cli.errors import ConfigError, refuse_non_finite
 
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("fp32", "bf16", "fp16", "auto")
+
+
+def resolve_dtype(dtype: str, device_type: str) -> str:
+    """``auto`` -> ``bf16`` on CUDA and on CPUs that multiply bf16 in hardware
+    (``cpu_native.fast_bf16``), else ``fp32``; any other dtype unchanged."""
+    if dtype != "auto":
+        return dtype
+    from wide_cli.runtime.cpu_native import fast_bf16
+
+    return "bf16" if device_type == "cuda" or fast_bf16() else "fp32"
 
 
 @dataclass(frozen=True)
@@ -24,7 +34,9 @@ class TrainConfig:
         checkpoint_every: optimizer steps between resumable checkpoints (0 = only at the end).
         dtype: training compute dtype: ``fp32``, ``bf16`` (CUDA: autocast; CPU: the frozen backbone is
             cast to bf16 for training, fast with bf16 matrix units such as AMX), ``fp16`` (CUDA
-            autocast + loss scaling).
+            autocast + loss scaling), ``auto`` (bf16 on CUDA and on CPUs that multiply bf16 in
+            hardware, AVX512-BF16 or AMX; fp32 on other CPUs, where PyTorch's bf16 path is several
+            times slower than fp32; resolved before training, ``pipeline.common.effective_settings``).
             Trainable parameters and optimizer state are fp32 in every case.
         grad_checkpointing: keep only each decoder layer's input and recompute the layer during
             backward (less activation memory, about one extra forward of compute).

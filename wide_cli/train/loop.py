@@ -12,6 +12,7 @@ atomic directories; ``resume=True`` continues bit-for-bit where the last checkpo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 import threading
@@ -25,7 +26,7 @@ from wide_cli.atomic import atomic_directory, atomic_write_json
 from wide_cli.errors import CheckpointError, TrainingDivergedError
 from wide_cli.filenames import RESULT_JSON
 from wide_cli.routing.gumbel import cost_loss, sparsity_loss, temperature_at
-from wide_cli.train.config import TrainConfig
+from wide_cli.train.config import TrainConfig, resolve_dtype
 from wide_cli.train.data_order import batch_indices
 from wide_cli.train.memory import check_plan, parse_bytes, plan_training
 
@@ -206,6 +207,9 @@ def train_stage(
         CheckpointError: resume from a checkpoint of another model or settings.
         MemoryPlanError: the memory plan does not fit (``train.memory.check_plan``).
     """
+    if cfg.dtype == "auto":  # callers outside the pipeline (which resolves it up front)
+        dev = next(p for p in model.parameters()).device
+        cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, dev.type))
     run = _StageRun(model, data, cfg, stage_dir=Path(stage_dir), identity=identity, rank=rank, world=world,
                     ddp_model=ddp_model, tau=tau, param_groups=param_groups, progress=progress)
     if resume:
