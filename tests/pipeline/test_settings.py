@@ -192,8 +192,8 @@ def test_recipe_numbers_must_be_finite_and_in_range(tmp_path, text, message):
                          [("fpu avx2 fma", "cpu", "fp32"), ("fpu avx2 avx512f avx512_bf16", "cpu", "bf16"),
                           ("fpu amx_bf16 amx_tile", "cpu", "bf16"), ("fpu avx2", "cuda", "bf16")])  # fmt: skip
 def test_training_dtype_auto_is_bf16_only_where_the_hardware_multiplies_it(flags, device, want, monkeypatch):
-    """The demo recipe's ``auto``: PyTorch's bf16 path is several times slower than fp32 on CPUs
-    without AVX512-BF16 or AMX, so training runs fp32 there."""
+    """The demo recipe's ``auto``: PyTorch's bf16 path is far slower than fp32 on CPUs without
+    AVX512-BF16 or AMX, so training runs fp32 there."""
     from wide_cli.pipeline.common import effective_settings
     from wide_cli.runtime import cpu_native
 
