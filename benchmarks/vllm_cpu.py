@@ -233,6 +233,7 @@ def render_md(r: dict) -> str:
             f"Export `{r['export']}` served by the plugin; dense baseline `{r['dense_model']}` on vLLM's own "
             f"`LlamaForCausalLM`. {r['vllm']}. Machine: {r['machine']}; numbers are noisy (other jobs on "
             "the machine): the systems were measured round-robin in one run, median of the rounds."
+            + (f" {r['export_note']}" if r.get("export_note") else "")
         ),
         "",
         "## Greedy parity with `wide generate --backend reference`",
@@ -325,10 +326,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="round-robin rounds of the throughput measurement")
     ap.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data", help="holds zeroshot/piqa.jsonl")
     ap.add_argument("--harness-limit", type=int, default=500, help="PIQA items scored through the server")
-    ap.add_argument("--render-only", action="store_true", help="rewrite OUT.md from OUT.json")
+    ap.add_argument("--export-note", help="a sentence on what the export is (stored in OUT.json, shown in OUT.md)")
+    ap.add_argument("--render-only", action="store_true", help="rewrite OUT.md from OUT.json (and --export-note)")
     args = ap.parse_args()
     if args.render_only:
-        args.out.with_suffix(".md").write_text(render_md(json.loads(args.out.with_suffix(".json").read_text())))
+        r = json.loads(args.out.with_suffix(".json").read_text())
+        if args.export_note:
+            r["export_note"] = args.export_note
+            args.out.with_suffix(".json").write_text(json.dumps(r, indent=2) + "\n")
+        args.out.with_suffix(".md").write_text(render_md(r))
         return 0
     python = os.environ.get("WIDE_SERVE_PYTHON", str(REPO / ".venv-serve/bin/python"))
     args.work.mkdir(parents=True, exist_ok=True)
@@ -380,6 +386,7 @@ def main() -> int:
         "dense_multiply_add_share": share,
         "rows": rows,
         "harness": harness,
+        "export_note": args.export_note,
     }
     ref_dense = wide_generate(args.export, prompts[:N_PROMPTS], "--no-routing")
     result["parity"]["all_on_equals_reference_no_routing"] = ref_dense["tokens"] == off["runs"]["all-on"]["tokens"]
