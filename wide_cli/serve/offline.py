@@ -36,6 +36,7 @@ def run(req: dict) -> dict:
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(req.get("kv_cache_gib", 2)))
     from vllm import LLM, SamplingParams
 
+    from wide_cli.serve import vllm_cpu_ops
     from wide_cli.serve import vllm_models as vm
     from wide_cli.serve.config import serve_plan
 
@@ -57,14 +58,14 @@ def run(req: dict) -> dict:
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; choose from {MODES}")
         llm.apply_model(lambda m, on=(mode == "all-on"): vm.set_all_on(m, on))
-        vm.reset_stats()
+        vllm_cpu_ops.reset_stats()
         t0 = time.perf_counter()
         if mode == "routed-sequential":
             res = [r for p in prompts for r in llm.generate([p], sp, use_tqdm=False)]
         else:
             res = llm.generate(prompts, sp, use_tqdm=False)
         dt = time.perf_counter() - t0
-        stats = json.loads(json.dumps(vm.STATS))
+        stats = json.loads(json.dumps(vllm_cpu_ops.STATS))
         out["runs"][mode] = {"tokens": [list(r.outputs[0].token_ids) for r in res], "seconds": dt, "stats": stats}
     return out
 

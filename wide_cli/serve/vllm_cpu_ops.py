@@ -1,0 +1,134 @@
+"""The CPU side of the vLLM plugin's routed ops: what ``torch.ops.vllm.wide_ffn_cpu`` /
+``wide_out_cpu`` run inside vLLM's compiled graph (``WideRoutedFFN`` / ``WideRoutedOut.forward_cpu``
+in ``vllm_models.py``), and the multiply-adds they executed (``STATS``).
+
+A step of at most ``SMALL_M`` tokens (decode) with some group skipped runs each token over its own
+groups on the runtime's native kernels (``cpu_native.routed_ffn`` / ``routed_out``: a group's
+weights read once for all the tokens that execute it); a larger step gathers each group's
+executing tokens on the ``cpu`` backend's projections (``runtime/cpu_proj.py``), or, when its
+tokens together execute every group, runs vLLM's own prepacked dense kernels and masks.
+Needs the serving environment (vLLM).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.utils.torch_utils import direct_register_custom_op
+
+from wide_cli.runtime import cpu_native, cpu_proj, ops
+from wide_cli.runtime.cpu_plan import SMALL_M, skip_plan
+
+#: multiply-adds of the routed projections: ``executed`` by the active path, ``dense`` for the
+#: same tokens without routing, per op kind ("attention" = O projection, "ffn" = gate/up/down).
+STATS: dict[str, dict[str, int]] = {"attention": {"executed": 0, "dense": 0}, "ffn": {"executed": 0, "dense": 0}}
+
+
+def reset_stats() -> None:
+    for v in STATS.values():
+        v["executed"] = v["dense"] = 0
+
+
+def _count(kind: str, plan, mask: torch.Tensor, group_macs: int, M: int, own: bool = False) -> None:
+    """Add what the chosen path executes for this call: each token's own groups (``own``: the
+    native kernels, or large M), the union of active groups for every token (``cpu_proj``'s small-M
+    path), or everything."""
+    state, runs, _ = plan
+    G = mask.shape[1]
+    if state == "dense":
+        n = M * G
+    elif state == "none":
+        n = 0
+    elif M <= SMALL_M and not own:
+        n = M * sum(e - s for s, e in runs)
+    else:
+        n = int(mask.sum())
+    STATS[kind]["executed"] += n * group_macs
+    STATS[kind]["dense"] += M * G * group_macs
+
+
+# ---------------------------------------------------------------------------------------------
+# opaque ops (the data-dependent work; vLLM's compiled graph sees one fixed-shape call)
+
+
+#: the routed op modules of this process, by ``op_id`` (the opaque ops get the id, so that their
+#: dense branch can call the layer's vLLM linear layers: on CPU those hold weights prepacked for
+#: oneDNN, faster than a plain GEMM on the unpacked copy).
+OP_MODULES: list[nn.Module] = []
+
+
+def _covers_all(plan, M: int, G: int) -> bool:
+    """True when every group is executed by some token of the call: no weight can be skipped, so
+    the dense GEMM (then the mask) is the fastest way."""
+    state, runs, _ = plan
+    return state == "dense" or (state == "sparse" and M <= SMALL_M and runs == [(0, G)])
+
+
+def _vllm_gemm(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` with vLLM's CPU kernel of ``linear`` (no bias, no tensor-parallel reduction)."""
+    return linear.cpu_linear(x, linear.weight, None)
+
+
+def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
+    """``x [M, D]``, ``mask [M, G]`` bool -> ``[M, D]``: the FFN of op module ``op_id``."""
+    op = OP_MODULES[op_id]
+    plan = skip_plan(mask)
+    M, G = mask.shape
+    if plan[0] == "sparse" and M <= SMALL_M:
+        # a decode step: each token over its own groups, a group's weights read once for all
+        # the tokens that execute it (the runtime's native step kernels)
+        y = cpu_native.routed_ffn(op.gu, op.down, x, mask)
+        if y is not None:
+            _count("ffn", plan, mask, 3 * op.group_size * x.shape[1], M, own=True)
+            return y
+    _count("ffn", plan, mask, 3 * op.group_size * x.shape[1], M)
+    mlp = op._mlp[0]
+    if _covers_all(plan, M, G) and hasattr(mlp.down_proj, "cpu_linear"):
+        gu = _vllm_gemm(mlp.gate_up_proj, x)
+        Fl = gu.shape[1] // 2
+        h = F.silu(gu[:, :Fl]) * gu[:, Fl:]
+        if plan[0] != "dense":
+            h.mul_(ops.expand_mask(mask, op.group_size).to(h.dtype))
+        return _vllm_gemm(mlp.down_proj, h)
+    return cpu_proj.ffn_proj(x, op.gu, op.down, mask, plan)
+
+
+def _ffn_fake(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _out_cpu(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int) -> torch.Tensor:
+    """``o [M, K]``, ``mask [M, K / group_cols]`` bool -> ``[M, out_features]`` (``ops.gemm_k``)."""
+    op = OP_MODULES[op_id]
+    plan = skip_plan(mask)
+    M, G = mask.shape
+    if plan[0] == "sparse" and M <= SMALL_M:
+        y = cpu_native.routed_out(op.o, o, mask)
+        if y is not None:
+            _count("attention", plan, mask, op.group_cols * out_features, M, own=True)
+            return y
+    _count("attention", plan, mask, op.group_cols * out_features, M)
+    o_proj = op._o[0]
+    if _covers_all(plan, M, G) and hasattr(o_proj, "cpu_linear"):
+        if plan[0] != "dense":
+            o = o * ops.expand_mask(mask, op.group_cols).to(o.dtype)
+        return _vllm_gemm(o_proj, o)
+    return cpu_proj.gemm_k_proj(o, op.o, mask, None, plan)
+
+
+def _out_fake(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int) -> torch.Tensor:
+    return o.new_empty(o.shape[0], out_features)
+
+
+_REGISTERED = False
+
+
+def register_ops() -> None:
+    """Register ``torch.ops.vllm.wide_ffn_cpu`` / ``wide_out_cpu`` once per process."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    direct_register_custom_op("wide_ffn_cpu", _ffn_cpu, fake_impl=_ffn_fake)
+    direct_register_custom_op("wide_out_cpu", _out_cpu, fake_impl=_out_fake)
+    _REGISTERED = True
