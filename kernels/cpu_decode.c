@@ -1,4 +1,5 @@
-/* The cpu backend's native decode step: one call runs a whole token (batch 1) through every layer.
+/* The cpu backend's native decode step: one call runs one new token for each of 1-64 batch rows
+ * through every layer (each row over its own groups, a group's weights read once per step).
  *
  * Why: the PyTorch decode path issues ~700 small ops per token; on SmolLM2-135M that overhead, not
  * weight traffic, set the speed (about 30 ms per token with int8 weights whose GEMVs take ~4 ms).
@@ -1855,8 +1856,3 @@ int64_t wide_out_rows(WCtx *c, int64_t nthreads, int64_t fmt, int64_t blocked, c
     return 0;
 }
 
-/* wide_decode_batch for one row whose cache slots all hold real tokens. */
-int64_t wide_decode_step(WCtx *c, const WModel *m, int64_t token, int64_t pos, int64_t slot, float *logits,
-                         int64_t *cnt, float *scratch) {
-    return wide_decode_batch(c, m, 1, &token, &pos, slot, NULL, logits, cnt, scratch);
-}

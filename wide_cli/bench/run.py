@@ -24,18 +24,6 @@ def _label(kind: str, fmt: str, formats) -> str:
     return kind if len(formats) == 1 and kind != "llama.cpp" else f"{kind} {fmt}"
 
 
-def cpu_model() -> str | None:
-    """The CPU's model name (``/proc/cpuinfo``; None elsewhere): speed numbers differ between
-    machines of the same kind, so every report names its CPU."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
     """Measure every system of ``cfg`` on the export at ``path``.
 
@@ -49,7 +37,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
 
     from wide_cli.models.loader import load_tokenizer
     from wide_cli.runtime.checkpoint import weights_from_export
-    from wide_cli.runtime.cpu_native import cpu_flags
+    from wide_cli.runtime.cpu_native import cpu_flags, cpu_model
     from wide_cli.runtime.engine import Runtime
 
     log = log or (lambda msg: None)

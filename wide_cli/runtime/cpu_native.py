@@ -81,6 +81,18 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``; None elsewhere): speed numbers differ between
+    machines of the same kind, so every bench report names its CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def fast_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): PyTorch's bf16 GEMMs are
     fast there and run a slow path elsewhere (on an AVX2 EPYC, 1 thread: about 7 against 55
@@ -169,8 +181,6 @@ def load(path: Path) -> ctypes.CDLL:
     if lib.wide_decode_abi() != ABI:
         raise RuntimeError(f"native library ABI {lib.wide_decode_abi()} != {ABI}")
     _check_layout(lib)
-    lib.wide_decode_step.restype = _I64
-    lib.wide_decode_step.argtypes = [_P, ctypes.POINTER(_WModel), _I64, _I64, _I64, _P, _P, _P]
     lib.wide_decode_scratch_floats.restype = _I64
     lib.wide_decode_scratch_floats.argtypes = [ctypes.POINTER(_WModel), _I64]
     lib.wide_ffn_rows.restype = _I64
@@ -358,7 +368,7 @@ class NativeDecoder:
             w.H, w.Hkv, w.d, w.ag = m.num_heads, m.num_kv_heads, m.head_dim, m.attn_group_size
             w.GA, w.fg, w.GF, w.window = m.attn_groups, m.ffn_group_size, m.ffn_groups, m.window or 0
             for name, proj in (("qkv", p.qkv), ("o", p.o), ("gu", p.gu), ("down", p.down)):
-                wt, s = self._proj(proj)
+                wt, s = _proj_ptrs(proj)
                 setattr(w, name, wt)
                 setattr(w, name + "_s", s)
             if p.o.fmt == "bf16":
@@ -377,13 +387,13 @@ class NativeDecoder:
             w.keep_a, w.keep_f = self._u8(m.keeps["attention"]), self._u8(m.keeps["ffn"])
         mdl = self.model = _WModel()
         mdl.L, mdl.D, mdl.V = L, rt.hidden_size, rt.vocab_size
-        mdl.wfmt = self._fmt(rt.layers[0].qkv)
+        mdl.wfmt = _proj_fmt(rt.layers[0].qkv)
         mdl.act_bf16 = int(rt.dtype == torch.bfloat16)
         mdl.eps, mdl.rope_scale = float(rt.eps), float(rt.rope_scale)
         mdl.inv_freq, mdl.final_norm = f32(rt.inv_freq), f32(rt.final_norm)
         mdl.embed = _ptr(rt.embed)
-        mdl.head, mdl.head_s = self._proj(rt.head)
-        mdl.head_fmt = self._fmt(rt.head)
+        mdl.head, mdl.head_s = _proj_ptrs(rt.head)
+        mdl.head_fmt = _proj_fmt(rt.head)
         mdl.layers = ctypes.cast(self.layers, _P)
         mdl.stat_skipped, mdl.stat_decisions = _ptr(rt.stats.skipped), _ptr(rt.stats.decisions)
         self._cache_id = None
@@ -437,15 +447,6 @@ class NativeDecoder:
         self._keep.append(b)
         return b.data_ptr()
 
-    @staticmethod
-    def _fmt(p) -> int:
-        """The C ``FMT_*`` code of a ``Proj``."""
-        return QUANT_CODE[p.fmt] if p.quantized else FMT_CODE[p.w.dtype]
-
-    @staticmethod
-    def _proj(p) -> tuple[int, int | None]:
-        return _proj_ptrs(p)
-
     def _bind(self, cache) -> None:
         for i, w in enumerate(self.layers):
             w.k_cache, w.v_cache = cache.k[i].data_ptr(), cache.v[i].data_ptr()
@@ -491,9 +492,9 @@ class NativeDecoder:
 
     def step(self, tokens: list[int], cache, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Run one new token per row of ``cache`` (``tokens[b]`` for row b) through every layer into
-        the cache's next slot; returns fp32 logits ``[B, V]``. ``valid [B, 1]`` bool marks rows whose
-        token is padding (finished rows riding along: computed, their slot masked like the PyTorch
-        path's). Adds executed multiply-adds and the weight bytes read to the runtime's
+        the cache's next slot; returns fp32 logits ``[B, V]``. ``valid [B, 1]`` bool, False for rows whose
+        token is padding (finished rows riding along: they compute nothing and get zero logits;
+        their slot stays masked). Adds executed multiply-adds and the weight bytes read to the runtime's
         ``Counter`` and decisions to its sparsity statistics.
 
         Raises:
