@@ -28,14 +28,20 @@
  * State: every entry point takes a context (WCtx, from wide_ctx_new) holding the thread pool and
  * the prepared-vector buffers; the file keeps no other mutable state than a fork counter.
  * Threads: a step may split every projection's rows (and the attention heads) between the calling
- * thread and nthreads - 1 workers of the context's pool (not OpenMP: a second OpenMP runtime
- * beside PyTorch's would spin against it on a small machine). Workers spin briefly, then sleep.
+ * thread and nthreads - 1 workers. Built with -fopenmp (the default) the workers are the OpenMP
+ * team of the process: the libgomp.so.1 PyTorch has loaded, so PyTorch's ops and these kernels share
+ * one set of threads. A pool of its own beside PyTorch's would spin against it: on two cores a
+ * routed prefill, which alternates PyTorch ops and these GEMMs, ran slower at 2 threads than at 1.
+ * Without OpenMP the context holds a pthread pool whose workers spin briefly, then sleep.
  *
  * Built by wide_cli/runtime/cpu_native.py with the system C compiler (-O3 -march=native); the
  * AVX-512 paths are used when the compiler targets them, their 8-lane AVX2 + FMA twins on CPUs
  * without AVX-512, portable C otherwise.
  */
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -753,9 +759,15 @@ typedef struct Pool {
 } Pool;
 
 /* Forks seen (bumped in the child): a pool whose workers were started before the latest fork has
- * none in this process. The library's only mutable file-level state besides the handler flag. */
+ * none in this process. With OpenMP any fork after the first context counts: GNU OpenMP's team does
+ * not survive fork (a child's next parallel region waits for threads that do not exist), and the
+ * parent's PyTorch may have started one, so a forked child runs every call on its own thread. The
+ * library's only mutable file-level state besides the handler flag. */
 static atomic_long g_fork_gen;
 
+static void pool_after_fork_child(void) { atomic_fetch_add(&g_fork_gen, 1); }
+
+#ifndef _OPENMP
 static void *worker(void *arg) {
     Pool *p = ((WorkerArg *)arg)->pool;
     const int64_t me = ((WorkerArg *)arg)->me;
@@ -783,8 +795,6 @@ static void *worker(void *arg) {
     }
 }
 
-static void pool_after_fork_child(void) { atomic_fetch_add(&g_fork_gen, 1); }
-
 /* A forked child has none of the parent's workers: its pools run single-threaded until resized. */
 static void pool_check_fork(Pool *p) {
     if (p->n > 1 && p->fork_gen != atomic_load(&g_fork_gen)) {
@@ -793,6 +803,8 @@ static void pool_check_fork(Pool *p) {
         pthread_cond_init(&p->cv, NULL);
     }
 }
+
+#endif
 
 static void pool_init(Pool *p) {
     static atomic_int fork_handler;
@@ -804,9 +816,12 @@ static void pool_init(Pool *p) {
 }
 
 static void pool_resize(Pool *p, int64_t n) {
-    pool_check_fork(p);
     if (n < 1) n = 1;
     if (n > 16) n = 16;
+#ifdef _OPENMP
+    p->n = n; /* the OpenMP runtime owns the threads */
+#else
+    pool_check_fork(p);
     if (n == p->n) return;
     if (p->n > 1) { /* stop the old workers */
         pthread_mutex_lock(&p->mu);
@@ -823,10 +838,21 @@ static void pool_resize(Pool *p, int64_t n) {
         p->wa[i] = (WorkerArg){p, i + 1};
         pthread_create(&p->tid[i], NULL, worker, &p->wa[i]);
     }
+#endif
 }
 
-/* Run fn on parts 0..n-1 (part 0 on the caller) and wait for all. */
+/* Run fn on parts 0..n-1 (part 0 on the caller) and wait for all. With OpenMP the parts are the
+ * threads of one parallel region (fewer than n if the runtime gives fewer; every job splits its work
+ * by the parts it is told). */
 static void pool_run(Pool *p, job_fn fn, void *arg) {
+#ifdef _OPENMP
+    if (p->n <= 1 || atomic_load(&g_fork_gen)) {
+        fn(arg, 0, 1);
+        return;
+    }
+#pragma omp parallel num_threads(p->n)
+    fn(arg, omp_get_thread_num(), omp_get_num_threads());
+#else
     pool_check_fork(p);
     if (p->n <= 1) {
         fn(arg, 0, 1);
@@ -845,6 +871,7 @@ static void pool_run(Pool *p, job_fn fn, void *arg) {
         _mm_pause();
 #endif
     }
+#endif
 }
 
 /* What a call mutates besides its outputs: the thread pool and the prepared-vector buffers. One

@@ -136,8 +136,9 @@ def test_batched_low_precision_decode_matches_reference(weights, routed_model, r
     assert cpu.stats.summary() == ref.stats.summary()
 
 
+@pytest.mark.parametrize("build", ["native", "portable"])  # the OpenMP team; the pthread pool
 @pytest.mark.parametrize("M", [5, 40])
-def test_two_threads_give_the_same_gemm_as_one(M, libs):
+def test_two_threads_give_the_same_gemm_as_one(M, build, libs):
     g = torch.Generator().manual_seed(M)
     a, w = torch.randn(M, 96, generator=g).to(torch.bfloat16), torch.randn(200, 96, generator=g).to(torch.bfloat16)
     outs = []
@@ -146,7 +147,7 @@ def test_two_threads_give_the_same_gemm_as_one(M, libs):
         for n in (1, 2):
             torch.set_num_threads(n)
             out = torch.empty(M, 200)
-            assert cpu_native.gemm(a, w, "rows", out, lib=libs["native"])
+            assert cpu_native.gemm(a, w, "rows", out, lib=libs[build])
             outs.append(out)
     finally:
         torch.set_num_threads(before)
@@ -163,12 +164,14 @@ def test_a_struct_mirror_that_differs_from_the_library_is_refused(libs, monkeypa
         cpu_native._check_layout(libs["native"])
 
 
-def test_a_forked_child_runs_the_gemm_after_the_parent_used_two_threads(libs):
-    """The child has none of the parent's pool workers: its calls run single-threaded (the pool
-    notices the fork) instead of waiting for workers that do not exist."""
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_a_forked_child_runs_the_gemm_after_the_parent_used_two_threads(build, libs):
+    """The child has none of the parent's worker threads (GNU OpenMP's team and the pthread pool's
+    workers do not survive fork): the library notices the fork and runs the child's calls on one
+    thread instead of waiting for threads that do not exist."""
     import os
 
-    lib = libs["native"]
+    lib = libs[build]
     a, w = torch.randn(40, 64).to(torch.bfloat16), torch.randn(96, 64).to(torch.bfloat16)
     want = torch.empty(40, 96)
     before = torch.get_num_threads()
@@ -191,3 +194,16 @@ def test_a_forked_child_runs_the_gemm_after_the_parent_used_two_threads(libs):
     os.close(wfd)
     _, status = os.waitpid(pid, 0)
     assert os.read(r, 1) == b"\x01" and status == 0
+
+
+def test_the_library_and_pytorch_share_one_openmp_runtime(libs):
+    """The native build's worker threads are PyTorch's OpenMP team: a second runtime (a second
+    libgomp, or a pool of its own) would spin against PyTorch's threads between the two's calls."""
+    import os
+
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("needs /proc/self/maps (Linux)")
+    torch.set_num_threads(torch.get_num_threads())  # PyTorch's runtime is loaded and started
+    with open("/proc/self/maps") as f:
+        gomp = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomp) == 1, gomp

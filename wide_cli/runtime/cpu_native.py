@@ -11,13 +11,16 @@ oracle. The same library has the prefill GEMM (``gemm``): bf16 prefill projectio
 on it where PyTorch's are slow (``cpu_proj._native_gemm_dtypes`` says where), gathering each routed group's tokens itself.
 
 Build: on first use the C source is compiled with the system compiler (``$CC``, default ``cc``;
-``-O3 -march=native``) into ``$WIDE_CACHE/native/<key>/`` (default ``~/.cache/wide``), keyed by the
+``-O3 -march=native -fopenmp``) into ``$WIDE_CACHE/native/<key>/`` (default ``~/.cache/wide``), keyed by the
 source, the compiler and this CPU's flags, written to a temporary name and renamed into place.
 ``make native`` (run by ``make test``) builds it once. Without a compiler (or with ``WIDE_CPU_NATIVE=0``) the runtime uses
 the PyTorch path and says so once in the log.
 
-Threads: the step uses ``torch.get_num_threads()`` threads of its own small pool (not OpenMP:
-see the C file).
+Threads: the step uses ``torch.get_num_threads()`` threads of the process's OpenMP team, the one
+PyTorch's ops run on (the library links ``libgomp.so.1``, which resolves to the copy PyTorch has
+loaded), so the two never spin against each other; the portable build keeps a pthread pool. In a
+process forked after the library's first call, every call runs on one thread (neither kind of
+worker survives fork).
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ def _cache_root() -> Path:
     return Path(os.environ.get("WIDE_CACHE") or "~/.cache/wide").expanduser() / "native"
 
 
-COMPILE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # Without -march=native: the portable C paths only (no AVX-512), for tests of those paths.
 PORTABLE_FLAGS = ("-O2", "-shared", "-fPIC", "-std=gnu11")
 
