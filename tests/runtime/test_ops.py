@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from wide_cli.runtime import cpu_attention, cpu_proj, ops
+from wide_cli.runtime import cpu_attention, cpu_plan, cpu_proj, ops
 
 # the cpu backend's operators under the names of the ops.py contract
 CPU_OPS = SimpleNamespace(
@@ -70,7 +70,7 @@ def naive_swiglu(a, wg, wu, mask, g):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("M", SHAPES_M)
-@pytest.mark.parametrize("p", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("p", [0.0, 0.5, 0.9, 1.0])  # 0.9: a prefill dense enough to run dense, then mask
 @pytest.mark.parametrize("noncontig", [False, True])
 def test_gemms_match_naive(impl, M, p, noncontig):
     mod = IMPLS[impl]
@@ -91,6 +91,18 @@ def test_gemms_match_naive(impl, M, p, noncontig):
     torch.testing.assert_close(
         mod.gemm_mn_swiglu(a, w, wu, mask, g).double(), naive_swiglu(a, w, wu, mask, g), atol=ATOL, rtol=RTOL
     )
+
+
+def test_prefill_plan_runs_dense_then_masks_only_above_the_executed_fraction():
+    G, M = 12, 40  # more tokens than cpu_plan.SMALL_M
+    mask = torch.zeros(M, G, dtype=torch.bool)
+    k = int(cpu_plan.DENSE_MASKED_FRACTION * M * G)
+    mask.view(-1)[:k] = True
+    assert cpu_plan.skip_plan(mask) == ("sparse", [(0, G)], False)
+    mask.view(-1)[k - 1] = False
+    assert cpu_plan.skip_plan(mask) == ("sparse", [], False)
+    assert cpu_plan.skip_plan(torch.ones(M, G, dtype=torch.bool))[0] == "dense"
+    assert cpu_plan.skip_plan(torch.zeros(M, G, dtype=torch.bool))[0] == "none"
 
 
 def test_skipped_outputs_are_exact_zeros_bias_included():
@@ -158,7 +170,7 @@ ATTN_CASES = [
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}kv{c[3]}off{c[4]}")
-@pytest.mark.parametrize("p", [0.5, 1.0, 0.0])
+@pytest.mark.parametrize("p", [0.5, 0.9, 1.0, 0.0])  # 0.9: causal blocks run dense, then mask
 def test_attention_prefill_matches_naive(impl, case, p):
     mod = IMPLS[impl]
     B, T, H, Hkv, off, _, pad, window = case

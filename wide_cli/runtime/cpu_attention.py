@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from wide_cli.runtime import ops
-from wide_cli.runtime.cpu_plan import SMALL_M, active_runs, mask_state, skip_plan
+from wide_cli.runtime.cpu_plan import DENSE_MASKED_FRACTION, SMALL_M, active_runs, mask_state, skip_plan
 
 # Query tokens per attention chunk in routed prefill.
 ATTN_CHUNK = 128
@@ -46,12 +46,17 @@ def attention_prefill(q, k, v, head_mask, *, key_valid=None, q_offset=0, scale, 
     qt = q.transpose(1, 2)  # [B, H, T, d]
     state = mask_state(head_mask)
     all_valid = key_valid is None or bool(key_valid[:, :S].all())
+    causal = all_valid and window is None and q_offset == 0 and S == T
+    # Most (token, head) pairs active: one causal SDPA over every head, then the skipped pairs
+    # zeroed, beats per-run SDPAs with explicit masks (as cpu_plan.DENSE_MASKED_FRACTION).
+    dense_enough = causal and state == "sparse" and int(head_mask.sum()) >= DENSE_MASKED_FRACTION * head_mask.numel()
+    if causal and (state == "dense" or dense_enough):
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=hpk > 1)
+        if counter is not None:  # causal: query t reads t + 1 keys
+            counter.attn_macs += B * H * d * 2 * (T * (T + 1) // 2)
+        out = out.transpose(1, 2)
+        return out if state == "dense" else out * head_mask[..., None].to(out.dtype)
     if state == "dense":
-        if all_valid and window is None and q_offset == 0 and S == T:
-            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=hpk > 1)
-            if counter is not None:  # causal: query t reads t + 1 keys
-                counter.attn_macs += B * H * d * 2 * (T * (T + 1) // 2)
-            return out.transpose(1, 2)
         vis = ops.key_visibility(B, T, S, q_offset, key_valid, window, q.device)  # [B, T, S]
         out = F.scaled_dot_product_attention(
             qt, kt, vt, attn_mask=vis[:, None], scale=scale, enable_gqa=hpk > 1

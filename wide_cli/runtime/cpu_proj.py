@@ -185,7 +185,7 @@ def gemm_mn_proj(a: torch.Tensor, p: Proj, mask, group_size: int, bias=None, pla
     out = torch.zeros(M, N, dtype=a.dtype, device=a.device)
     if state == "none":
         return out
-    if M <= SMALL_M and runs == [(0, N // g)]:  # union is everything: dense GEMM, then mask
+    if runs == [(0, N // g)]:  # union is everything, or a dense enough prefill: dense GEMM, then mask
         out = p.rows(a, 0, N)
         if bias is not None:
             out.add_(bias)
@@ -223,10 +223,10 @@ def gemm_k_proj(a: torch.Tensor, p: Proj, mask, bias=None, plan=None) -> torch.T
         return out.to(a.dtype)
     if state == "dense":
         p.acc(out, a, 0, G)
-    elif M <= SMALL_M:
+    elif M <= SMALL_M or runs == [(0, G)]:
         if not uniform:
             a = a * ops.expand_mask(mask, g).to(a.dtype)
-        if runs == [(0, G)]:  # union is everything: masked activations, then dense GEMM
+        if runs == [(0, G)]:  # union is everything (or a dense enough prefill): masked activations, then dense GEMM
             p.acc(out, a, 0, G)
         else:
             for s, e in runs:
@@ -266,9 +266,10 @@ def ffn_proj(x: torch.Tensor, gu: Proj, down: Proj, mask, plan=None) -> torch.Te
     out = torch.zeros(M, down.N, dtype=down.acc_dtype, device=x.device)
     if state == "none":
         return out.to(x.dtype)
-    if state == "dense" or (M <= SMALL_M and runs == [(0, G)]):
-        # Dense, or the union of the tokens' groups is everything (typical for a decode batch):
-        # the dense GEMMs, with the skipped (token, group) activations zeroed in between.
+    if state == "dense" or runs == [(0, G)]:
+        # Dense, or the union of the tokens' groups is everything (typical for a decode batch), or
+        # a prefill executing most pairs (skip_plan): the dense GEMMs, with the skipped (token,
+        # group) activations zeroed in between.
         h = _swiglu(gu.rows(x, 0, G * 2 * g).view(M, G, 2 * g), g)
         if state != "dense":
             h = h * mask[:, :, None].to(x.dtype)

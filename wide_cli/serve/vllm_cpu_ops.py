@@ -40,7 +40,7 @@ def _count(kind: str, plan, mask: torch.Tensor, group_macs: int, M: int, own: bo
         n = M * G
     elif state == "none":
         n = 0
-    elif M <= SMALL_M and not own:
+    elif (M <= SMALL_M or runs) and not own:  # union runs, or a dense enough prefill run dense
         n = M * sum(e - s for s, e in runs)
     else:
         n = int(mask.sum())
@@ -59,10 +59,11 @@ OP_MODULES: list[nn.Module] = []
 
 
 def _covers_all(plan, M: int, G: int) -> bool:
-    """True when every group is executed by some token of the call: no weight can be skipped, so
-    the dense GEMM (then the mask) is the fastest way."""
+    """True when every group is executed by some token of a decode call, or a prefill call executes
+    most (token, group) pairs (``cpu_plan.DENSE_MASKED_FRACTION``): the dense GEMM, then the
+    mask, is the fastest way."""
     state, runs, _ = plan
-    return state == "dense" or (state == "sparse" and M <= SMALL_M and runs == [(0, G)])
+    return state == "dense" or (state == "sparse" and runs == [(0, G)])
 
 
 def _vllm_gemm(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
