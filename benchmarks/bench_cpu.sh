@@ -5,8 +5,8 @@
 # 4 and 16 rows, and perplexity per format and path); then the cost-0.5 export's int4 rows beside int8, fp32
 # and llama.cpp Q8_0 / Q4_0 (prefill 128, decode batches 1 and 4, perplexity per format and path), and
 # long contexts: prefill of 2,048 / 8,000 tokens and decode after them (bf16, int4, llama.cpp Q4_0 at 2,048);
-# then decode batches of 1, 4 and 16 rows on the native step, every format, on both exports, and prefill
-# of 4,096 tokens on the cost-0.5 export.
+# then decode batches of 1, 4 and 16 rows on the native step, every format, on both exports, prefill
+# of 4,096 tokens on the cost-0.5 export, and its prefill of 128 / 1,024 / 4,096 tokens at 2 threads.
 # Usage: benchmarks/bench_cpu.sh DEMO_EXPORT COST05_EXPORT [OUT_DIR]   (needs `make llama-setup`)
 # DEMO_EXPORT '-' skips the demo run; C05_THREADS=1 limits the cost-0.5 run to one thread (a machine where another job holds a core).
 # Run it on a quiet machine: the 2-thread rows measure whatever else holds a core.
@@ -44,3 +44,7 @@ for e in "$demo:demo" "$c05:cost05"; do
 done
 $wide bench "$c05" --systems dense,cpu --weights fp32,bf16,int8,int4 --prefill-lengths 4096 --decode-batches 1 \
   --new-tokens 8 --decode-prompt-len 64 --threads ${C05_THREADS:-1,2} --json-out "$out/bench-cpu-prefill4k.json"
+# Prefill of 128, 1,024 and 4,096 tokens at 2 threads, every format (the 1-thread rows of these
+# lengths: bench-cpu-cost05.json, bench-cpu-batches-cost05.json, bench-cpu-prefill4k.json).
+$wide bench "$c05" --systems dense,cpu --weights fp32,bf16,int8,int4 --prefill-lengths 128,1024,4096 --decode-batches 1 \
+  --new-tokens 8 --decode-prompt-len 64 --threads 2 --json-out "$out/bench-cpu-prefill-2t.json"
