@@ -34,7 +34,7 @@
  * routed prefill, which alternates PyTorch ops and these GEMMs, ran slower at 2 threads than at 1.
  * Without OpenMP the context holds a pthread pool whose workers spin briefly, then sleep.
  *
- * Built by wide_cli/runtime/cpu_native.py with the system C compiler (-O3 -march=native); the
+ * Built by wide_cli/runtime/cpu_native.py with the system C compiler (-O3 -march=native -fopenmp); the
  * AVX-512 paths are used when the compiler targets them, their 8-lane AVX2 + FMA twins on CPUs
  * without AVX-512, portable C otherwise.
  */
@@ -759,13 +759,16 @@ typedef struct Pool {
 } Pool;
 
 /* Forks seen (bumped in the child): a pool whose workers were started before the latest fork has
- * none in this process. With OpenMP any fork after the first context counts: GNU OpenMP's team does
+ * none in this process. With OpenMP any fork after the library is loaded counts: GNU OpenMP's team does
  * not survive fork (a child's next parallel region waits for threads that do not exist), and the
  * parent's PyTorch may have started one, so a forked child runs every call on its own thread. The
  * library's only mutable file-level state besides the handler flag. */
 static atomic_long g_fork_gen;
 
 static void pool_after_fork_child(void) { atomic_fetch_add(&g_fork_gen, 1); }
+
+/* Registered when the library is loaded, so that a fork before the first context counts too. */
+__attribute__((constructor)) static void register_fork_handler(void) { pthread_atfork(NULL, NULL, pool_after_fork_child); }
 
 #ifndef _OPENMP
 static void *worker(void *arg) {
@@ -807,8 +810,6 @@ static void pool_check_fork(Pool *p) {
 #endif
 
 static void pool_init(Pool *p) {
-    static atomic_int fork_handler;
-    if (!atomic_exchange(&fork_handler, 1)) pthread_atfork(NULL, NULL, pool_after_fork_child);
     memset(p, 0, sizeof(*p));
     p->n = 1;
     pthread_mutex_init(&p->mu, NULL);

@@ -192,6 +192,13 @@ def test_a_forked_child_runs_the_gemm_after_the_parent_used_two_threads(build, l
             os.write(wfd, bytes([ok]))
             os._exit(0)
     os.close(wfd)
+    import select
+    import signal
+
+    if not select.select([r], [], [], 120)[0]:  # a child waiting for threads that do not exist
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's call did not return within 120 s")
     _, status = os.waitpid(pid, 0)
     assert os.read(r, 1) == b"\x01" and status == 0
 
@@ -203,7 +210,7 @@ def test_the_library_and_pytorch_share_one_openmp_runtime(libs):
 
     if not os.path.exists("/proc/self/maps"):
         pytest.skip("needs /proc/self/maps (Linux)")
-    torch.set_num_threads(torch.get_num_threads())  # PyTorch's runtime is loaded and started
+    torch.set_num_threads(torch.get_num_threads())  # PyTorch (and its libgomp) is loaded
     import re
 
     # Files of the soname libgomp.so.1 (PyTorch's copy, or the system's); wheels that vendor their

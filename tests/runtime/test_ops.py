@@ -105,6 +105,27 @@ def test_prefill_plan_runs_dense_then_masks_only_above_the_executed_fraction():
     assert cpu_plan.skip_plan(torch.zeros(M, G, dtype=torch.bool))[0] == "none"
 
 
+@pytest.mark.parametrize("p", [0.5, 0.9])  # 0.9 on 129 tokens: the dense GEMMs, then the mask
+def test_grouped_ffn_matches_naive(p):
+    M, D, F, g = 129, 24, 32, 8
+    torch.manual_seed(3)
+    x, wg, wu, wd = torch.randn(M, D), torch.randn(F, D), torch.randn(F, D), torch.randn(D, F)
+    mask = _mask(M, F // g, p, seed=4)
+    mask[0] = True  # every group executed by some token
+    gu = cpu_proj.float_proj(cpu_proj.grouped_gate_up(wg, wu, g), "n")
+    down = cpu_proj.float_proj(wd, "k", g)
+    dense_plan = cpu_plan.skip_plan(mask)[1] == [(0, F // g)]
+    assert dense_plan == (p == 0.9)
+    want = naive_swiglu(x, wg, wu, mask, g) @ wd.double().t()
+    torch.testing.assert_close(cpu_proj.ffn_proj(x, gu, down, mask).double(), want, atol=1e-4, rtol=1e-5)
+
+
+def test_prefill_plan_gathers_when_some_group_has_no_token():
+    mask = torch.ones(40, 8, dtype=torch.bool)
+    mask[:, 3] = False  # 7/8 executed, group 3 by nobody (a static keep mask)
+    assert cpu_plan.skip_plan(mask) == ("sparse", [], False)
+
+
 def test_skipped_outputs_are_exact_zeros_bias_included():
     """A skipped group's bias must not leak into its outputs (they stay exactly zero)."""
     a, w, b = torch.randn(5, 8), torch.randn(8, 8), torch.full((8,), 3.0)

@@ -33,11 +33,15 @@ Two ways to skip, chosen by the number of tokens ``M`` in the call:
 - ``M > SMALL_M`` (prefill): *mask reordering*. Per group, the executing tokens are gathered
   (``ops.group_token_lists``), multiplied by the group's weights and scattered back
   (``index_add_``), so compute follows the sparsity. The FFN keeps each group's intermediate
-  activations compact between the gate/up and down GEMMs.
+  activations compact between the gate/up and down GEMMs. A call whose tokens execute at least
+  ``cpu_plan.DENSE_MASKED_FRACTION`` (80 %) of the (token, group) pairs, every group by some
+  token, runs the dense GEMMs and zeroes the skipped pairs instead: the gathered GEMMs cost more
+  than the few skipped pairs save.
 
 Attention prefill runs, per row and head group, only the executing query tokens, in chunks whose
-key range ends at the chunk's last query (so causal work is not wasted); decode reads the KV heads
-of the active head groups only (the union over rows when ``B > 1``).
+key range ends at the chunk's last query (so causal work is not wasted), or, as the projections
+above, one causal SDPA over every head then the mask; decode reads the KV heads of the active head
+groups only (the union over rows when ``B > 1``).
 
 Measured on a shared 2-core Xeon (AVX-512, no bf16 units), SmolLM2-135M shapes, fp32, one thread
 (other jobs running, so +-15 %):

@@ -1,7 +1,8 @@
 """Attention of the cpu backend, skipping the head groups a token does not execute.
 
 Prefill runs, per row and head group, only the executing query tokens, in chunks whose key range
-ends at the chunk's last query (so causal work is not wasted); decode reads the KV heads of the
+ends at the chunk's last query (so causal work is not wasted), or, when most (token, head) pairs
+execute, one causal SDPA then the mask; decode reads the KV heads of the
 active head groups only (the union over rows when ``B > 1``).
 """
 
@@ -49,7 +50,12 @@ def attention_prefill(q, k, v, head_mask, *, key_valid=None, q_offset=0, scale, 
     causal = all_valid and window is None and q_offset == 0 and S == T
     # Most (token, head) pairs active: one causal SDPA over every head, then the skipped pairs
     # zeroed, beats per-run SDPAs with explicit masks (as cpu_plan.DENSE_MASKED_FRACTION).
-    dense_enough = causal and state == "sparse" and int(head_mask.sum()) >= DENSE_MASKED_FRACTION * head_mask.numel()
+    dense_enough = (
+        causal
+        and state == "sparse"
+        and int(head_mask.sum()) >= DENSE_MASKED_FRACTION * head_mask.numel()
+        and bool(head_mask.flatten(0, 1).any(0).all())  # every head used by some token
+    )
     if causal and (state == "dense" or dense_enough):
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=hpk > 1)
         if counter is not None:  # causal: query t reads t + 1 keys

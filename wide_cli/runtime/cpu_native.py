@@ -19,8 +19,8 @@ the PyTorch path and says so once in the log.
 Threads: the step uses ``torch.get_num_threads()`` threads of the process's OpenMP team, the one
 PyTorch's ops run on (the library links ``libgomp.so.1``, which resolves to the copy PyTorch has
 loaded), so the two never spin against each other; the portable build keeps a pthread pool. In a
-process forked after the library's first call, every call runs on one thread (neither kind of
-worker survives fork).
+process forked after the library was loaded, the OpenMP build runs every call on one thread (GNU
+OpenMP's team does not survive fork); the pthread pool starts new workers at its next resize.
 """
 
 from __future__ import annotations

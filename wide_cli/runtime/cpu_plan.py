@@ -2,7 +2,8 @@
 
 A call with at most ``SMALL_M`` tokens (decode) skips by *union runs* (one GEMM per run of
 adjacent groups that any token executes), a larger one (prefill) by *mask reordering* (per group,
-the executing tokens gathered); see ``runtime/cpu.py`` for the measurements behind the choice.
+the executing tokens gathered), or, when it executes most pairs, runs dense and masks
+(``DENSE_MASKED_FRACTION``); see ``runtime/cpu.py`` for the measurements behind the choice.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def skip_plan(mask: torch.Tensor | None) -> tuple[str, list[tuple[int, int]], bo
     ``sparse``. For ``M <= SMALL_M``: runs = runs of groups that any token executes, uniform =
     every token has the same mask; the mask is read with one ``tolist`` (cheaper than several
     small tensor ops on the decode path). For larger M: runs = ``[(0, G)]`` when the tokens
-    execute at least ``DENSE_MASKED_FRACTION`` of the (token, group) pairs (the callers then run
-    every group for every token and zero the skipped pairs), else empty (gather per group).
+    execute at least ``DENSE_MASKED_FRACTION`` of the (token, group) pairs and every group is
+    executed by some token (the callers then run every group for every token and zero the skipped
+    pairs), else empty (gather per group).
     """
     if mask is None:
         return "dense", [], True
@@ -58,7 +60,10 @@ def skip_plan(mask: torch.Tensor | None) -> tuple[str, list[tuple[int, int]], bo
             return "dense", [], True
         if n == 0:
             return "none", [], False
-        return "sparse", ([(0, G)] if n >= DENSE_MASKED_FRACTION * M * G else []), False
+        # every group used by some token: otherwise the dense GEMM would compute groups no token
+        # executes (a static keep mask), and gathering runs the fully used groups as plain GEMMs
+        dense_enough = n >= DENSE_MASKED_FRACTION * M * G and bool(mask.any(0).all())
+        return "sparse", ([(0, G)] if dense_enough else []), False
     rows = mask.tolist()
     first = rows[0]
     if M == 1:

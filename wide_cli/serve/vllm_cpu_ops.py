@@ -6,7 +6,8 @@ A step of at most ``SMALL_M`` tokens (decode) with some group skipped runs each 
 groups on the runtime's native kernels (``cpu_native.routed_ffn`` / ``routed_out``: a group's
 weights read once for all the tokens that execute it); a larger step gathers each group's
 executing tokens on the ``cpu`` backend's projections (``runtime/cpu_proj.py``), or, when its
-tokens together execute every group, runs vLLM's own prepacked dense kernels and masks.
+tokens execute most (token, group) pairs (``cpu_plan.skip_plan``), runs vLLM's own prepacked
+dense kernels and masks.
 Needs the serving environment (vLLM).
 """
 
