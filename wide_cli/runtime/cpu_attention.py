@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from wide_cli.runtime import ops
-from wide_cli.runtime.cpu_plan import DENSE_MASKED_FRACTION, SMALL_M, active_runs, mask_state, skip_plan
+from wide_cli.runtime.cpu_plan import SMALL_M, active_runs, dense_then_mask, mask_state, skip_plan
 
 # Query tokens per attention chunk in routed prefill.
 ATTN_CHUNK = 128
@@ -49,13 +49,8 @@ def attention_prefill(q, k, v, head_mask, *, key_valid=None, q_offset=0, scale, 
     all_valid = key_valid is None or bool(key_valid[:, :S].all())
     causal = all_valid and window is None and q_offset == 0 and S == T
     # Most (token, head) pairs active: one causal SDPA over every head, then the skipped pairs
-    # zeroed, beats per-run SDPAs with explicit masks (as cpu_plan.DENSE_MASKED_FRACTION).
-    dense_enough = (
-        causal
-        and state == "sparse"
-        and int(head_mask.sum()) >= DENSE_MASKED_FRACTION * head_mask.numel()
-        and bool(head_mask.flatten(0, 1).any(0).all())  # every head used by some token
-    )
+    # zeroed, beats per-run SDPAs with explicit masks (the projections' rule, cpu_plan).
+    dense_enough = causal and state == "sparse" and dense_then_mask(head_mask)
     if causal and (state == "dense" or dense_enough):
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=hpk > 1)
         if counter is not None:  # causal: query t reads t + 1 keys

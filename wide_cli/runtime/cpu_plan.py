@@ -40,6 +40,16 @@ def active_runs(active: list[bool]) -> list[tuple[int, int]]:
     return runs
 
 
+def dense_then_mask(mask: torch.Tensor, executed: int | None = None) -> bool:
+    """Whether a large call with ``mask [..., G]`` bool (``executed`` = ``mask.sum()`` if known)
+    runs every group for every token and zeroes the skipped pairs: at least
+    ``DENSE_MASKED_FRACTION`` of the pairs execute, and every group by some token (otherwise the
+    dense GEMM would compute groups no token executes, e.g. a static keep mask, where gathering
+    runs the fully used groups as plain GEMMs)."""
+    n = int(mask.sum()) if executed is None else executed
+    return n >= DENSE_MASKED_FRACTION * mask.numel() and bool(mask.reshape(-1, mask.shape[-1]).any(0).all())
+
+
 def skip_plan(mask: torch.Tensor | None) -> tuple[str, list[tuple[int, int]], bool]:
     """Analyse a group mask ``[M, G]`` once: ``(state, runs, uniform)``.
 
@@ -60,10 +70,7 @@ def skip_plan(mask: torch.Tensor | None) -> tuple[str, list[tuple[int, int]], bo
             return "dense", [], True
         if n == 0:
             return "none", [], False
-        # every group used by some token: otherwise the dense GEMM would compute groups no token
-        # executes (a static keep mask), and gathering runs the fully used groups as plain GEMMs
-        dense_enough = n >= DENSE_MASKED_FRACTION * M * G and bool(mask.any(0).all())
-        return "sparse", ([(0, G)] if dense_enough else []), False
+        return "sparse", ([(0, G)] if dense_then_mask(mask, n) else []), False
     rows = mask.tolist()
     first = rows[0]
     if M == 1:
