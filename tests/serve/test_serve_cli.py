@@ -149,6 +149,17 @@ def test_serve_bad_input_is_one_line(tmp_path, export_factory):
     assert r.returncode == 2 and "tensor-parallel-size 4 would split a routed group" in _error_line(r)
 
 
+def test_serve_takes_the_projects_dtype_names_and_refuses_others_before_vllm_starts(export_factory):
+    from wide_cli.serve.server import vllm_dtype
+
+    assert [vllm_dtype(d) for d in ("fp32", "bf16", "fp16", "float32", "bfloat16", "auto")] == [
+        "float32", "bfloat16", "float16", "float32", "bfloat16", "auto"]
+    r = _wide(["serve", export_factory("llama"), "--dtype", "fp8"], env={"WIDE_SERVE_PYTHON": sys.executable})
+    line = _error_line(r)
+    assert r.returncode == 2 and "--dtype 'fp8'" in line and "fp32" in line and "bf16" in line
+    assert "starting vLLM" not in r.stderr
+
+
 def test_serve_refuses_a_port_in_use(export_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

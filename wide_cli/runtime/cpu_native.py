@@ -298,12 +298,22 @@ def _proj_ptrs(p) -> tuple[int, int | None]:
     return (p.w if p.axis == "n" else p.w_t).data_ptr(), None
 
 
-def routed_ffn(gu, down, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+def _row_mask(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` as the C kernels read it: one byte per (token, group), 0 or 1, rows contiguous
+    (a contiguous bool tensor already is; no copy then)."""
+    if mask.dtype in (torch.bool, torch.uint8) and mask.is_contiguous():
+        return mask
+    return mask.to(torch.uint8).contiguous()
+
+
+def routed_ffn(gu, down, x: torch.Tensor, mask: torch.Tensor, cnt: torch.Tensor | None = None) -> torch.Tensor | None:
     """The routed SwiGLU FFN of ``x [M, D]`` for ``M <= MAX_BATCH`` tokens, each over its own groups
-    (``mask [M, G]`` bool), every group's weights read once for the tokens that execute it: the
-    native step's FFN (``wide_ffn_rows``) on ``cpu_proj`` projections ``gu`` (axis n, group-major
-    gate | up) and ``down`` (axis k). Returns ``[M, D]`` in ``x``'s dtype, or None when the library
-    cannot run it (no library, more tokens, another format): the caller runs its PyTorch path."""
+    (``mask [M, G]`` bool or uint8; any mask, all on or all off included), every group's weights read
+    once for the tokens that execute it: the native step's FFN (``wide_ffn_rows``) on ``cpu_proj``
+    projections ``gu`` (axis n, group-major gate | up) and ``down`` (axis k). ``cnt``: int64
+    ``[len(COUNTERS)]`` the call adds its executed multiply-adds and weight bytes to (None: not
+    kept). Returns ``[M, D]`` in ``x``'s dtype, or None when the library cannot run it (no
+    library, more tokens, another format): the caller runs its PyTorch path."""
     lib = library()
     M, D = x.shape
     fmt = _proj_fmt(down)
@@ -312,20 +322,21 @@ def routed_ffn(gu, down, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | 
     g = down.g
     G = down.K // g
     xf = x.to(torch.float32).contiguous()
-    m = mask.to(torch.uint8).contiguous()
+    m = _row_mask(mask)
     y = torch.empty(M, D, dtype=torch.float32)
     scratch = torch.empty(M * G * g * 3, dtype=torch.float32)
-    cnt = torch.zeros(len(COUNTERS), dtype=torch.int64)
+    if cnt is None:
+        cnt = torch.zeros(len(COUNTERS), dtype=torch.int64)
     (wg, sg), (wd, sd) = _proj_ptrs(gu), _proj_ptrs(down)
     rc = lib.wide_ffn_rows(context(lib), torch.get_num_threads(), fmt, 0, int(x.dtype == torch.bfloat16), wg, sg, wd, sd,
                            D, G, g, M, xf.data_ptr(), m.data_ptr(), y.data_ptr(), scratch.data_ptr(), cnt.data_ptr())  # fmt: skip
     return None if rc != 0 else y.to(x.dtype)
 
 
-def routed_out(o, a: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+def routed_out(o, a: torch.Tensor, mask: torch.Tensor, cnt: torch.Tensor | None = None) -> torch.Tensor | None:
     """The routed O projection of ``a [M, G cols]`` for ``M <= MAX_BATCH`` tokens, each over its own
     head groups (``mask [M, G]``): ``wide_out_rows`` on the axis-k ``cpu_proj`` projection ``o``.
-    Returns ``[M, N]`` in ``a``'s dtype, or None (as ``routed_ffn``)."""
+    Returns ``[M, N]`` in ``a``'s dtype, or None (``cnt`` and the rest as ``routed_ffn``)."""
     lib = library()
     M = a.shape[0]
     fmt = _proj_fmt(o)
@@ -333,9 +344,10 @@ def routed_out(o, a: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         return None
     G = mask.shape[1]
     af = a.to(torch.float32).contiguous()
-    m = mask.to(torch.uint8).contiguous()
+    m = _row_mask(mask)
     y = torch.empty(M, o.N, dtype=torch.float32)
-    cnt = torch.zeros(len(COUNTERS), dtype=torch.int64)
+    if cnt is None:
+        cnt = torch.zeros(len(COUNTERS), dtype=torch.int64)
     w, s = _proj_ptrs(o)
     rc = lib.wide_out_rows(context(lib), torch.get_num_threads(), fmt, 0, w, s, o.N, o.g, G, M, af.data_ptr(),
                            m.data_ptr(), y.data_ptr(), cnt.data_ptr())  # fmt: skip

@@ -65,7 +65,7 @@ def run(req: dict) -> dict:
         else:
             res = llm.generate(prompts, sp, use_tqdm=False)
         dt = time.perf_counter() - t0
-        stats = json.loads(json.dumps(vllm_cpu_ops.STATS))
+        stats = vllm_cpu_ops.stats()
         out["runs"][mode] = {"tokens": [list(r.outputs[0].token_ids) for r in res], "seconds": dt, "stats": stats}
     return out
 

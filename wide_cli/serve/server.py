@@ -63,6 +63,25 @@ class ServeOptions:
     extra: list[str] = field(default_factory=list)
 
 
+#: ``wide serve --dtype`` names (the project's and vLLM's own) -> vLLM's ``--dtype``.
+SERVE_DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+                "fp16": "float16", "float16": "float16"}  # fmt: skip
+
+
+def vllm_dtype(name: str) -> str:
+    """vLLM's name for the compute dtype ``name`` (``fp32`` / ``bf16`` / ``fp16``, as every other
+    ``wide`` command spells them, or vLLM's own ``float32`` / ``bfloat16`` / ``float16``, or
+    ``auto``: the export's).
+
+    Raises:
+        ConfigError: another name, before vLLM starts.
+    """
+    if name not in SERVE_DTYPES:
+        raise ConfigError(f"--dtype {name!r} is not a dtype `wide serve` knows",
+                          "use auto, fp32, bf16 or fp16 (or vLLM's float32, bfloat16, float16)")  # fmt: skip
+    return SERVE_DTYPES[name]
+
+
 def check_port_free(host: str, port: int) -> None:
     """Raise ConfigError when ``host:port`` cannot be bound (in use, or not an address here)."""
     if not (0 < port < 65536):

@@ -1,10 +1,11 @@
 """The CPU side of the vLLM plugin's routed ops: what ``torch.ops.vllm.wide_ffn_cpu`` /
 ``wide_out_cpu`` run inside vLLM's compiled graph (``WideRoutedFFN`` / ``WideRoutedOut.forward_cpu``
-in ``vllm_models.py``), and the multiply-adds they executed (``STATS``).
+in ``vllm_models.py``), and the multiply-adds they executed (``stats()``).
 
-A step of at most ``SMALL_M`` tokens (decode) with some group skipped runs each token over its own
-groups on the runtime's native kernels (``cpu_native.routed_ffn`` / ``routed_out``: a group's
-weights read once for all the tokens that execute it); a larger step gathers each group's
+A step of at most ``SMALL_M`` tokens (decode) runs each token over its own groups on the runtime's
+native kernels (``cpu_native.routed_ffn`` / ``routed_out``: a group's weights read once for all the
+tokens that execute it; with every group on they are as fast as vLLM's dense kernels, so the mask
+is not read in Python first); a larger step gathers each group's
 executing tokens on the ``cpu`` backend's projections (``runtime/cpu_proj.py``), or, when its
 tokens execute most (token, group) pairs (``cpu_plan.skip_plan``), runs vLLM's own prepacked
 dense kernels and masks.
@@ -21,27 +22,42 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from wide_cli.runtime import cpu_native, cpu_proj, ops
 from wide_cli.runtime.cpu_plan import SMALL_M, skip_plan
 
-#: multiply-adds of the routed projections: ``executed`` by the active path, ``dense`` for the
-#: same tokens without routing, per op kind ("attention" = O projection, "ffn" = gate/up/down).
+#: multiply-adds of the routed projections: ``executed`` by the PyTorch paths, ``dense`` for the
+#: same tokens without routing (every path), per op kind ("attention" = O projection, "ffn" =
+#: gate/up/down). ``stats()`` adds what the native kernels executed.
 STATS: dict[str, dict[str, int]] = {"attention": {"executed": 0, "dense": 0}, "ffn": {"executed": 0, "dense": 0}}
+
+
+#: what the native decode kernels executed, per op kind: int64 ``[len(cpu_native.COUNTERS)]``
+#: the C calls add to themselves (``COUNTERS[0]``: multiply-adds), so a decode call counts nothing
+#: in Python.
+NATIVE_COUNTS: dict[str, torch.Tensor] = {k: torch.zeros(len(cpu_native.COUNTERS), dtype=torch.int64) for k in STATS}
 
 
 def reset_stats() -> None:
     for v in STATS.values():
         v["executed"] = v["dense"] = 0
+    for c in NATIVE_COUNTS.values():
+        c.zero_()
 
 
-def _count(kind: str, plan, mask: torch.Tensor, group_macs: int, M: int, own: bool = False) -> None:
-    """Add what the chosen path executes for this call: each token's own groups (``own``: the
-    native kernels, or large M), the union of active groups for every token (``cpu_proj``'s small-M
-    path), or everything."""
+def stats() -> dict[str, dict[str, int]]:
+    """``STATS`` with the native kernels' multiply-adds added: per op kind ``executed`` and
+    ``dense``."""
+    return {k: {"executed": v["executed"] + int(NATIVE_COUNTS[k][0]), "dense": v["dense"]} for k, v in STATS.items()}
+
+
+def _count(kind: str, plan, mask: torch.Tensor, group_macs: int, M: int) -> None:
+    """Add what a PyTorch path executes for this call: the union of active groups for every token
+    (``cpu_proj``'s small-M path, or a dense enough prefill run dense), each token's own groups
+    (large M, gathered), or everything."""
     state, runs, _ = plan
     G = mask.shape[1]
     if state == "dense":
         n = M * G
     elif state == "none":
         n = 0
-    elif (M <= SMALL_M or runs) and not own:  # union runs, or a dense enough prefill run dense
+    elif M <= SMALL_M or runs:
         n = M * sum(e - s for s, e in runs)
     else:
         n = int(mask.sum())
@@ -75,16 +91,18 @@ def _vllm_gemm(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
     """``x [M, D]``, ``mask [M, G]`` bool -> ``[M, D]``: the FFN of op module ``op_id``."""
     op = OP_MODULES[op_id]
-    plan = skip_plan(mask)
     M, G = mask.shape
-    if plan[0] == "sparse" and M <= SMALL_M:
+    if M <= SMALL_M:
         # a decode step: each token over its own groups, a group's weights read once for all
-        # the tokens that execute it (the runtime's native step kernels)
-        y = cpu_native.routed_ffn(op.gu, op.down, x, mask)
+        # the tokens that execute it (the runtime's native step kernels; they count what they
+        # execute). Any mask: with every group on they read the weights as fast as vLLM's dense
+        # kernels, and nothing is read twice to decide the path.
+        y = cpu_native.routed_ffn(op.gu, op.down, x, mask, NATIVE_COUNTS["ffn"])
         if y is not None:
-            _count("ffn", plan, mask, 3 * op.group_size * x.shape[1], M, own=True)
+            STATS["ffn"]["dense"] += M * G * op.group_macs
             return y
-    _count("ffn", plan, mask, 3 * op.group_size * x.shape[1], M)
+    plan = skip_plan(mask)
+    _count("ffn", plan, mask, op.group_macs, M)
     mlp = op._mlp[0]
     if _covers_all(plan, M, G) and hasattr(mlp.down_proj, "cpu_linear"):
         gu = _vllm_gemm(mlp.gate_up_proj, x)
@@ -103,13 +121,13 @@ def _ffn_fake(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
 def _out_cpu(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int) -> torch.Tensor:
     """``o [M, K]``, ``mask [M, K / group_cols]`` bool -> ``[M, out_features]`` (``ops.gemm_k``)."""
     op = OP_MODULES[op_id]
-    plan = skip_plan(mask)
     M, G = mask.shape
-    if plan[0] == "sparse" and M <= SMALL_M:
-        y = cpu_native.routed_out(op.o, o, mask)
+    if M <= SMALL_M:
+        y = cpu_native.routed_out(op.o, o, mask, NATIVE_COUNTS["attention"])
         if y is not None:
-            _count("attention", plan, mask, op.group_cols * out_features, M, own=True)
+            STATS["attention"]["dense"] += M * G * op.group_cols * out_features
             return y
+    plan = skip_plan(mask)
     _count("attention", plan, mask, op.group_cols * out_features, M)
     o_proj = op._o[0]
     if _covers_all(plan, M, G) and hasattr(o_proj, "cpu_linear"):

@@ -39,7 +39,7 @@ routes the groups it holds (the router computes all groups, each rank takes its 
 partial ``o_proj`` / ``down_proj`` sums are all-reduced as in vLLM's ``RowParallelLinear``. A group
 that would straddle two ranks is refused at construction (``config.check_tensor_parallel``).
 
-``vllm_cpu_ops.STATS`` counts multiply-adds of the routed projections (O, gate/up, down): what the
+``vllm_cpu_ops.stats()`` counts multiply-adds of the routed projections (O, gate/up, down): what the
 active path executed vs what the dense model would have, per process (read it with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, where the engine runs in the caller's process).
 """
@@ -97,6 +97,7 @@ class WideRoutedFFN(CustomOp):
         super().__init__(enforce_enable=True)
         self._mlp = (mlp,)  # a tuple: not a submodule (its weights are loaded under `mlp.`)
         self.group_size = group_size
+        self.group_macs = 0  # multiply-adds of one token's group (3 g D), set by prepare
         self.op_id = len(OP_MODULES)
         OP_MODULES.append(self)
         self.gu = self.down = None  # runtime/cpu_proj.py projections (forward_cpu)
@@ -107,6 +108,7 @@ class WideRoutedFFN(CustomOp):
         """Capture the loaded weights in the layout this process's path uses."""
         mlp = self._mlp[0]
         w, wd = mlp.gate_up_proj.weight.detach(), mlp.down_proj.weight.detach()
+        self.group_macs = 3 * self.group_size * wd.shape[0]
         if self._forward_method == self.forward_cpu:
             Fl, g = w.shape[0] // 2, self.group_size
             self.gu = cpu_proj.float_proj(cpu_proj.grouped_gate_up(w[:Fl], w[Fl:], g), "n")

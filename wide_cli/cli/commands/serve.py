@@ -15,7 +15,7 @@ def serve_cmd(
     export: Annotated[Path, typer.Argument(help="Export directory (`wide export`, either format).")],
     host: Annotated[str, typer.Option("--host", help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8000,
-    dtype: Annotated[str, typer.Option("--dtype", help="auto | float32 | bfloat16 | float16.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="auto (the export's) | fp32 | bf16 | fp16 (vLLM's float32 / bfloat16 / float16 also work).")] = "auto",
     max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="Context length in tokens (default: the model's).")] = None,
     served_model_name: Annotated[str | None, typer.Option("--served-model-name", help="The `model` name clients send (default: the export directory's name).")] = None,
     kv_cache_gib: Annotated[int, typer.Option("--kv-cache-gib", help="KV-cache space on CPU, GiB (VLLM_CPU_KVCACHE_SPACE).")] = DEFAULT_KV_CACHE_GIB,
@@ -42,11 +42,12 @@ def serve_cmd(
         run_server,
         server_command,
         server_env,
+        vllm_dtype,
     )
 
     plan = serve_plan(export, mode="all-on" if all_on else "routed")
     opts = ServeOptions(
-        host=host, port=port, dtype=dtype, max_model_len=max_model_len, served_model_name=served_model_name,
+        host=host, port=port, dtype=vllm_dtype(dtype), max_model_len=max_model_len, served_model_name=served_model_name,
         kv_cache_gib=kv_cache_gib, tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
         extra=list(vllm_arg or []),
     )  # fmt: skip
