@@ -243,8 +243,9 @@ def render_md(r: dict) -> str:
         "",
         (
             f"Export `{r['export']}` served by the plugin; dense baseline `{r['dense_model']}` on vLLM's own "
-            f"`LlamaForCausalLM`. {r['vllm']}. Machine: {r['machine']}. Each server "
-            "runs on one core (vLLM binds its worker to core 0 and keeps core 1 for its other processes); a round "
+            f"`LlamaForCausalLM`. {r['vllm']}. Machine: {r['machine']}. Each server's "
+            "worker runs one thread (`OMP_NUM_THREADS=1`; vLLM binds it to one core and keeps another for its other "
+            "processes); a round "
             "measures the systems one after another, so load on the machine hits all of them alike; a row is the "
             "median of the rounds, which differ by several percent (the rounds column)."
             + (f" {r['export_note']}" if r.get("export_note") else "")

@@ -463,3 +463,29 @@ def test_routed_ffn_and_out_rows_match_the_masking_oracle(fmt, M):
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=0)
     if M > 1:  # a token that executes nothing gets exactly nothing
         assert not got_ffn[1].any() and not got_out[1].any()
+
+
+def test_routed_rows_take_any_mask_layout_and_refuse_bad_shapes():
+    """A call where no token executes anything returns zeros and counts nothing; a
+    non-contiguous mask is read by value; a mask or counter of the wrong shape is refused before
+    the kernel reads or writes past it."""
+    from wide_cli.runtime.backend import Counter
+    from wide_cli.runtime.cpu_proj import Proj, grouped_gate_up
+
+    g = torch.Generator().manual_seed(3)
+    D, F, fg = 64, 256, 32
+    gu = Proj(grouped_gate_up(torch.randn(F, D, generator=g), torch.randn(F, D, generator=g), fg), "n", "float",
+              torch.float32, "cpu", Counter())  # fmt: skip
+    down = Proj(torch.randn(D, F, generator=g), "k", "float", torch.float32, "cpu", Counter(), fg)
+    x = torch.randn(2, D, generator=g)
+    cnt = torch.zeros(len(cpu_native.COUNTERS), dtype=torch.int64)
+    y = cpu_native.routed_ffn(gu, down, x[:1], torch.zeros(1, F // fg, dtype=torch.bool), cnt)
+    assert y.shape == (1, D) and not y.any() and not cnt.any()
+    mask = torch.rand(F // fg, 2, generator=g) < 0.5  # transposed below: not contiguous
+    assert not mask.t().is_contiguous()
+    torch.testing.assert_close(cpu_native.routed_ffn(gu, down, x, mask.t()),
+                               cpu_native.routed_ffn(gu, down, x, mask.t().contiguous()), atol=0, rtol=0)  # fmt: skip
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 4\), expected \(2, 8\)"):
+        cpu_native.routed_ffn(gu, down, x, torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="counters must be a contiguous CPU int64 tensor of 4"):
+        cpu_native.routed_ffn(gu, down, x, mask.t(), torch.zeros(4, dtype=torch.int32))

@@ -298,12 +298,31 @@ def _proj_ptrs(p) -> tuple[int, int | None]:
     return (p.w if p.axis == "n" else p.w_t).data_ptr(), None
 
 
-def _row_mask(mask: torch.Tensor) -> torch.Tensor:
-    """``mask`` as the C kernels read it: one byte per (token, group), 0 or 1, rows contiguous
-    (a contiguous bool tensor already is; no copy then)."""
+def _row_mask(mask: torch.Tensor, M: int, G: int) -> torch.Tensor:
+    """``mask [M, G]`` as the C kernels read it: one byte per (token, group), nonzero = execute,
+    rows contiguous (a contiguous bool tensor already is; no copy then).
+
+    Raises:
+        ValueError: another shape (the kernels would read past the mask).
+    """
+    if tuple(mask.shape) != (M, G):
+        raise ValueError(f"routed call: mask of shape {tuple(mask.shape)}, expected ({M}, {G})")
     if mask.dtype in (torch.bool, torch.uint8) and mask.is_contiguous():
         return mask
     return mask.to(torch.uint8).contiguous()
+
+
+def _counters(cnt: torch.Tensor | None) -> torch.Tensor:
+    """The int64 ``[len(COUNTERS)]`` the C call adds to: ``cnt``, or a fresh one.
+
+    Raises:
+        ValueError: ``cnt`` of another dtype, size or layout (the kernels write through its pointer).
+    """
+    if cnt is None:
+        return torch.zeros(len(COUNTERS), dtype=torch.int64)
+    if cnt.dtype != torch.int64 or not cnt.is_contiguous() or cnt.numel() < len(COUNTERS) or cnt.device.type != "cpu":
+        raise ValueError(f"counters must be a contiguous CPU int64 tensor of {len(COUNTERS)}, got {cnt.dtype} {tuple(cnt.shape)}")
+    return cnt
 
 
 def routed_ffn(gu, down, x: torch.Tensor, mask: torch.Tensor, cnt: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -313,7 +332,12 @@ def routed_ffn(gu, down, x: torch.Tensor, mask: torch.Tensor, cnt: torch.Tensor 
     projections ``gu`` (axis n, group-major gate | up) and ``down`` (axis k). ``cnt``: int64
     ``[len(COUNTERS)]`` the call adds its executed multiply-adds and weight bytes to (None: not
     kept). Returns ``[M, D]`` in ``x``'s dtype, or None when the library cannot run it (no
-    library, more tokens, another format): the caller runs its PyTorch path."""
+    library, no tokens or more than ``MAX_BATCH``, another format, more than 4,096 groups): the
+    caller runs its PyTorch path.
+
+    Raises:
+        ValueError: ``mask`` not ``[M, G]``, or ``cnt`` not an int64 ``[len(COUNTERS)]``.
+    """
     lib = library()
     M, D = x.shape
     fmt = _proj_fmt(down)
@@ -321,12 +345,11 @@ def routed_ffn(gu, down, x: torch.Tensor, mask: torch.Tensor, cnt: torch.Tensor 
         return None
     g = down.g
     G = down.K // g
+    m = _row_mask(mask, M, G)
+    cnt = _counters(cnt)
     xf = x.to(torch.float32).contiguous()
-    m = _row_mask(mask)
     y = torch.empty(M, D, dtype=torch.float32)
     scratch = torch.empty(M * G * g * 3, dtype=torch.float32)
-    if cnt is None:
-        cnt = torch.zeros(len(COUNTERS), dtype=torch.int64)
     (wg, sg), (wd, sd) = _proj_ptrs(gu), _proj_ptrs(down)
     rc = lib.wide_ffn_rows(context(lib), torch.get_num_threads(), fmt, 0, int(x.dtype == torch.bfloat16), wg, sg, wd, sd,
                            D, G, g, M, xf.data_ptr(), m.data_ptr(), y.data_ptr(), scratch.data_ptr(), cnt.data_ptr())  # fmt: skip
@@ -342,12 +365,11 @@ def routed_out(o, a: torch.Tensor, mask: torch.Tensor, cnt: torch.Tensor | None 
     fmt = _proj_fmt(o)
     if lib is None or M > MAX_BATCH or fmt is None:
         return None
-    G = mask.shape[1]
+    G = o.K // o.g
+    m = _row_mask(mask, M, G)
+    cnt = _counters(cnt)
     af = a.to(torch.float32).contiguous()
-    m = _row_mask(mask)
     y = torch.empty(M, o.N, dtype=torch.float32)
-    if cnt is None:
-        cnt = torch.zeros(len(COUNTERS), dtype=torch.int64)
     w, s = _proj_ptrs(o)
     rc = lib.wide_out_rows(context(lib), torch.get_num_threads(), fmt, 0, w, s, o.N, o.g, G, M, af.data_ptr(),
                            m.data_ptr(), y.data_ptr(), cnt.data_ptr())  # fmt: skip

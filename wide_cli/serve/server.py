@@ -64,8 +64,8 @@ class ServeOptions:
 
 
 #: ``wide serve --dtype`` names (the project's and vLLM's own) -> vLLM's ``--dtype``.
-SERVE_DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-                "fp16": "float16", "float16": "float16"}  # fmt: skip
+SERVE_DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "float": "float32", "bf16": "bfloat16",
+                "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16"}  # fmt: skip
 
 
 def vllm_dtype(name: str) -> str:
