@@ -465,6 +465,37 @@ def test_routed_ffn_and_out_rows_match_the_masking_oracle(fmt, M):
         assert not got_ffn[1].any() and not got_out[1].any()
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+@pytest.mark.parametrize("M", [2, 4, 5, 16])
+def test_routed_rows_in_a_batch_equal_each_row_alone(fmt, M):
+    """A token's output of a batched ``routed_ffn`` / ``routed_out`` call is bit for bit its output
+    when it is called alone: several tokens share each weight read but every token keeps its own
+    order of sums. A width off the vector size (72 channels) exercises the kernels' remainder
+    paths; groups are multiples of 4 channels (as in every model) so that a run of groups sums in
+    the same blocks of 4 whichever tokens share it."""
+    from wide_cli.runtime.backend import Counter
+    from wide_cli.runtime.cpu_proj import Proj, grouped_gate_up
+
+    g = torch.Generator().manual_seed(100 + M)
+    D, F, fg, cols, GA = 72, 180, 20, 20, 4
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+    w_gate, w_up, w_down = (torch.randn(s, generator=g) * 0.1 for s in ((F, D), (F, D), (D, F)))
+    w_o = torch.randn(D, GA * cols, generator=g) * 0.1
+    gu = Proj(grouped_gate_up(w_gate, w_up, fg).to(dtype), "n", "float", dtype, "cpu", Counter())
+    down = Proj(w_down.to(dtype), "k", "float", dtype, "cpu", Counter(), fg)
+    o = Proj(w_o.to(dtype), "k", "float", dtype, "cpu", Counter(), cols)
+    x = torch.randn(M, D, generator=g).to(dtype)
+    a = torch.randn(M, GA * cols, generator=g).to(dtype)
+    mf = torch.rand(M, F // fg, generator=g) < 0.7
+    mo = torch.rand(M, GA, generator=g) < 0.7
+    mf[0], mo[0] = True, True  # one token executes everything
+    ffn = cpu_native.routed_ffn(gu, down, x, mf)
+    out = cpu_native.routed_out(o, a, mo)
+    for i in range(M):
+        assert torch.equal(ffn[i : i + 1], cpu_native.routed_ffn(gu, down, x[i : i + 1], mf[i : i + 1])), i
+        assert torch.equal(out[i : i + 1], cpu_native.routed_out(o, a[i : i + 1], mo[i : i + 1])), i
+
+
 def test_routed_rows_take_any_mask_layout_and_refuse_bad_shapes():
     """A call where no token executes anything returns zeros and counts nothing; a
     non-contiguous mask is read by value; a mask or counter of the wrong shape is refused before

@@ -2,16 +2,15 @@
 ``wide_out_cpu`` run inside vLLM's compiled graph (``WideRoutedFFN`` / ``WideRoutedOut.forward_cpu``
 in ``vllm_models.py``), and the multiply-adds they executed (``stats()``).
 
-A step of one token runs on the runtime's native kernels whatever its mask (``cpu_native.routed_ffn``
-/ ``routed_out``; with every group on they read the weights as fast as vLLM's dense kernels: 26
-SmolLM2-135M FFNs at one token, fp32, 1 thread, 20.2 ms against 20.3 ms on oneDNN, AVX-512 EPYC;
-so the mask is not read in Python first). A step of at most ``SMALL_M`` tokens whose tokens skip
-some group that no other token executes runs each token over its own groups on the same kernels
-(a group's weights read once for all the tokens that execute it); one whose tokens together
-execute every group runs vLLM's kernels (see ``_native_step``); a larger step gathers each group's
-executing tokens on the ``cpu`` backend's projections (``runtime/cpu_proj.py``), or, when its
-tokens execute most (token, group) pairs (``cpu_plan.skip_plan``), runs vLLM's own prepacked
-dense kernels and masks.
+A step of at most ``NATIVE_M`` tokens runs on the runtime's native kernels whatever its mask
+(``cpu_native.routed_ffn`` / ``routed_out``: each token over its own groups, a group's weights read
+once for all the tokens that execute it, in one forward stream, so with every group on they read
+the weights at least as fast as vLLM's dense kernels; the mask is not read in Python first). A
+step of at most ``SMALL_M`` tokens whose tokens skip some group that no other token executes runs
+on the same kernels; one whose tokens together execute every group runs vLLM's kernels (see
+``_native_step``); a larger step gathers each group's executing tokens on the ``cpu`` backend's
+projections (``runtime/cpu_proj.py``), or, when its tokens execute most (token, group) pairs
+(``cpu_plan.skip_plan``), runs vLLM's own prepacked dense kernels and masks.
 Needs the serving environment (vLLM).
 """
 
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from wide_cli.runtime import cpu_native, cpu_proj, ops
+from wide_cli.runtime import cpu_native, cpu_proj
 from wide_cli.runtime.cpu_plan import SMALL_M, skip_plan
 
 #: multiply-adds of the routed projections: ``executed`` by the PyTorch paths, ``dense`` for the
@@ -86,14 +85,20 @@ def _covers_all(plan, M: int, G: int) -> bool:
     return state == "dense" or (state == "sparse" and runs == [(0, G)])
 
 
+#: Calls of at most this many tokens run on the native step kernels whatever their masks. 26
+#: SmolLM2-135M FFN + O projections, every group on, fp32, 1 thread, 2-core AVX-512 EPYC, two
+#: rounds each: at 1 token 20-22 ms native against 24-29 ms for vLLM's oneDNN kernels, at 4 tokens
+#: 23-24 against 23, at 6 tokens 29-32 against 20-21, at 8 tokens 35-38 against 27 (the native
+#: kernels run 4 tokens per pass over a weight block, oneDNN blocks every token into one GEMM).
+NATIVE_M = 4
+
+
 def _native_step(plan, M: int, G: int) -> bool:
-    """Whether a call of ``M`` tokens (``plan``: its ``skip_plan``, None for one token) runs on the
-    native step kernels: one token always; up to ``SMALL_M`` tokens when their union skips some
-    group. Several tokens that together execute every group run vLLM's prepacked dense kernels
-    instead: the native kernels run each token's own dot products over the weights, vLLM's GEMM
-    blocks the tokens together (on the make demo export, 4 concurrent requests, one round: 66 tok/s
-    with every such step native against 86 for vLLM's dense model; 2-core AVX-512 EPYC, 1 thread)."""
-    if M == 1:
+    """Whether a call of ``M`` tokens (``plan``: its ``skip_plan``, None up to ``NATIVE_M``) runs on the
+    native step kernels: up to ``NATIVE_M`` tokens always; up to ``SMALL_M`` tokens when their
+    union skips some group (that group's weights are then not read at all). More tokens that
+    together execute every group run vLLM's prepacked dense kernels instead (see ``NATIVE_M``)."""
+    if M <= NATIVE_M:
         return True
     return M <= SMALL_M and plan[0] == "sparse" and not _covers_all(plan, M, G)
 
@@ -107,7 +112,7 @@ def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
     """``x [M, D]``, ``mask [M, G]`` bool -> ``[M, D]``: the FFN of op module ``op_id``."""
     op = OP_MODULES[op_id]
     M, G = mask.shape
-    plan = None if M == 1 else skip_plan(mask)
+    plan = None if M <= NATIVE_M else skip_plan(mask)
     if _native_step(plan, M, G):
         # a decode step: each token over its own groups, a group's weights read once for all
         # the tokens that execute it (the runtime's native step kernels; they count what they
@@ -123,8 +128,8 @@ def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
         gu = _vllm_gemm(mlp.gate_up_proj, x)
         Fl = gu.shape[1] // 2
         h = F.silu(gu[:, :Fl]) * gu[:, Fl:]
-        if plan[0] != "dense":
-            h.mul_(ops.expand_mask(mask, op.group_size).to(h.dtype))
+        if plan[0] != "dense":  # zero the skipped (token, group) pairs: one broadcast multiply
+            h.view(M, G, -1).mul_(mask.unsqueeze(-1))
         return _vllm_gemm(mlp.down_proj, h)
     return cpu_proj.ffn_proj(x, op.gu, op.down, mask, plan)
 
@@ -137,7 +142,7 @@ def _out_cpu(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int)
     """``o [M, K]``, ``mask [M, K / group_cols]`` bool -> ``[M, out_features]`` (``ops.gemm_k``)."""
     op = OP_MODULES[op_id]
     M, G = mask.shape
-    plan = None if M == 1 else skip_plan(mask)
+    plan = None if M <= NATIVE_M else skip_plan(mask)
     if _native_step(plan, M, G):
         y = cpu_native.routed_out(op.o, o, mask, NATIVE_COUNTS["attention"])
         if y is not None:
@@ -148,7 +153,7 @@ def _out_cpu(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int)
     o_proj = op._o[0]
     if _covers_all(plan, M, G) and hasattr(o_proj, "cpu_linear"):
         if plan[0] != "dense":
-            o = o * ops.expand_mask(mask, op.group_cols).to(o.dtype)
+            o = (o.reshape(M, G, -1) * mask.unsqueeze(-1)).reshape(M, -1)
         return _vllm_gemm(o_proj, o)
     return cpu_proj.gemm_k_proj(o, op.o, mask, None, plan)
 
