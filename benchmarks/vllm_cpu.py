@@ -226,9 +226,9 @@ PATHS = """\
 Which paths skip work: `forward_cpu` (what ran here) executes only the active groups of the O
 projection and of the FFN (gate/up/down), behind an opaque op: a decode step of <= 4 tokens runs
 each token over its own groups on the runtime's native decode kernels (a group's weights read once
-for all the tokens that execute it); a step of 5-16 tokens does so when their union skips some
-group, and one whose tokens together execute every group runs vLLM's own dense kernels and masks
-(there oneDNN's GEMM, which blocks all the tokens together, is faster); a larger step (prefill) gathers each group's executing tokens on the `cpu` backend's
+for all the tokens that execute it); a step of 5-16 tokens does so when the union of its tokens'
+groups is at most half the groups, else it runs vLLM's own dense kernels and masks (there oneDNN's
+GEMM, which blocks all the tokens together, is faster); a larger step (prefill) gathers each group's executing tokens on the `cpu` backend's
 projections (`runtime/cpu_proj.py`), or, when its tokens execute most (token, group) pairs and
 every group, runs vLLM's dense kernels and masks. Q/K/V projections and vLLM's paged attention
 kernel stay dense: attention computes every head and the skipped heads are masked before O.

@@ -6,11 +6,11 @@ A step of at most ``NATIVE_M`` tokens runs on the runtime's native kernels whate
 (``cpu_native.routed_ffn`` / ``routed_out``: each token over its own groups, a group's weights read
 once for all the tokens that execute it, in one forward stream, so with every group on they read
 the weights at least as fast as vLLM's dense kernels; the mask is not read in Python first). A
-step of at most ``SMALL_M`` tokens whose tokens skip some group that no other token executes runs
-on the same kernels; one whose tokens together execute every group runs vLLM's kernels (see
-``_native_step``); a larger step gathers each group's executing tokens on the ``cpu`` backend's
-projections (``runtime/cpu_proj.py``), or, when its tokens execute most (token, group) pairs
-(``cpu_plan.skip_plan``), runs vLLM's own prepacked dense kernels and masks.
+step of up to ``SMALL_M`` tokens runs on the same kernels when the union of its tokens' groups is
+at most half the groups (``NATIVE_UNION_SHARE``), else on vLLM's own prepacked dense kernels, then
+masked. A larger step gathers each group's executing tokens on the ``cpu`` backend's projections
+(``runtime/cpu_proj.py``), or, when its tokens execute most (token, group) pairs and every group
+(``cpu_plan.skip_plan``), runs vLLM's dense kernels and masks.
 Needs the serving environment (vLLM).
 """
 
@@ -77,30 +77,44 @@ def _count(kind: str, plan, mask: torch.Tensor, group_macs: int, M: int) -> None
 OP_MODULES: list[nn.Module] = []
 
 
-def _covers_all(plan, M: int, G: int) -> bool:
-    """True when every group is executed by some token of a decode call, or a prefill call executes
-    most (token, group) pairs (``cpu_plan.DENSE_MASKED_FRACTION``): the dense GEMM, then the
-    mask, is the fastest way."""
+def _dense_masked(plan, M: int, G: int) -> bool:
+    """Whether a call that does not run natively runs vLLM's prepacked dense kernels on every group
+    for every token and then zeroes the skipped (token, group) pairs: a decode call (at most
+    ``SMALL_M`` tokens, see ``NATIVE_UNION_SHARE``), or a prefill call whose tokens execute most
+    pairs and every group (``cpu_plan.dense_then_mask``). Otherwise the ``cpu`` backend's
+    projections gather each group's tokens."""
     state, runs, _ = plan
-    return state == "dense" or (state == "sparse" and runs == [(0, G)])
+    return state == "dense" or (state == "sparse" and (M <= SMALL_M or runs == [(0, G)]))
 
 
 #: Calls of at most this many tokens run on the native step kernels whatever their masks. 26
 #: SmolLM2-135M FFN + O projections, every group on, fp32, 1 thread, 2-core AVX-512 EPYC, two
 #: rounds each: at 1 token 20-22 ms native against 24-29 ms for vLLM's oneDNN kernels, at 4 tokens
-#: 23-24 against 23, at 6 tokens 29-32 against 20-21, at 8 tokens 35-38 against 27 (the native
-#: kernels run 4 tokens per pass over a weight block, oneDNN blocks every token into one GEMM).
+#: 23-24 against 23, at 6 tokens 29-32 against 20-21, at 8 tokens 35-38 against 27, at 16 tokens
+#: 59-77 against 33-44 (the native kernels run 4 tokens per pass over a weight block, oneDNN
+#: blocks every token into one GEMM).
 NATIVE_M = 4
+
+#: A call of ``NATIVE_M + 1`` to ``SMALL_M`` tokens runs natively only when the union of its
+#: tokens' groups is at most this share of the groups: there the native kernels take 1.3-1.8x
+#: oneDNN's time on the same weights (``NATIVE_M``), so skipping a few groups does not pay (on
+#: the make demo export at 16 concurrent requests, running such steps natively whenever their
+#: union skipped any group served 155 tok/s, median of 3 rounds of 150-178, against 172, rounds of
+#: 169-193, with every group on through oneDNN; 2-core AVX-512 EPYC, 1 thread).
+NATIVE_UNION_SHARE = 0.5
 
 
 def _native_step(plan, M: int, G: int) -> bool:
     """Whether a call of ``M`` tokens (``plan``: its ``skip_plan``, None up to ``NATIVE_M``) runs on the
     native step kernels: up to ``NATIVE_M`` tokens always; up to ``SMALL_M`` tokens when their
-    union skips some group (that group's weights are then not read at all). More tokens that
-    together execute every group run vLLM's prepacked dense kernels instead (see ``NATIVE_M``)."""
+    union is at most ``NATIVE_UNION_SHARE`` of the groups (the rest are then not read at all).
+    Other calls run vLLM's prepacked dense kernels and mask, or (more than ``SMALL_M`` tokens with
+    few pairs executed) gather each group's tokens."""
     if M <= NATIVE_M:
         return True
-    return M <= SMALL_M and plan[0] == "sparse" and not _covers_all(plan, M, G)
+    if M > SMALL_M or plan[0] == "dense":
+        return False
+    return sum(e - s for s, e in plan[1]) <= NATIVE_UNION_SHARE * G  # "none": nothing to run
 
 
 def _vllm_gemm(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -122,15 +136,17 @@ def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
             STATS["ffn"]["dense"] += M * G * op.group_macs
             return y
     plan = plan or skip_plan(mask)
-    _count("ffn", plan, mask, op.group_macs, M)
     mlp = op._mlp[0]
-    if _covers_all(plan, M, G) and hasattr(mlp.down_proj, "cpu_linear"):
+    if _dense_masked(plan, M, G) and hasattr(mlp.down_proj, "cpu_linear"):
+        STATS["ffn"]["executed"] += M * G * op.group_macs
+        STATS["ffn"]["dense"] += M * G * op.group_macs
         gu = _vllm_gemm(mlp.gate_up_proj, x)
         Fl = gu.shape[1] // 2
         h = F.silu(gu[:, :Fl]) * gu[:, Fl:]
         if plan[0] != "dense":  # zero the skipped (token, group) pairs: one broadcast multiply
             h.view(M, G, -1).mul_(mask.unsqueeze(-1))
         return _vllm_gemm(mlp.down_proj, h)
+    _count("ffn", plan, mask, op.group_macs, M)
     return cpu_proj.ffn_proj(x, op.gu, op.down, mask, plan)
 
 
@@ -149,12 +165,14 @@ def _out_cpu(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int)
             STATS["attention"]["dense"] += M * G * op.group_cols * out_features
             return y
     plan = plan or skip_plan(mask)
-    _count("attention", plan, mask, op.group_cols * out_features, M)
     o_proj = op._o[0]
-    if _covers_all(plan, M, G) and hasattr(o_proj, "cpu_linear"):
+    if _dense_masked(plan, M, G) and hasattr(o_proj, "cpu_linear"):
+        STATS["attention"]["executed"] += M * G * op.group_cols * out_features
+        STATS["attention"]["dense"] += M * G * op.group_cols * out_features
         if plan[0] != "dense":
             o = (o.reshape(M, G, -1) * mask.unsqueeze(-1)).reshape(M, -1)
         return _vllm_gemm(o_proj, o)
+    _count("attention", plan, mask, op.group_cols * out_features, M)
     return cpu_proj.gemm_k_proj(o, op.o, mask, None, plan)
 
 
