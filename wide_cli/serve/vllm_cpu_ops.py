@@ -49,13 +49,14 @@ def stats() -> dict[str, dict[str, int]]:
     return {k: {"executed": v["executed"] + int(NATIVE_COUNTS[k][0]), "dense": v["dense"]} for k, v in STATS.items()}
 
 
-def _count(kind: str, plan, mask: torch.Tensor, group_macs: int, M: int) -> None:
-    """Add what a PyTorch path executes for this call: the union of active groups for every token
-    (``cpu_proj``'s small-M path, or a dense enough prefill run dense), each token's own groups
-    (large M, gathered), or everything."""
+def _count(kind: str, plan, mask: torch.Tensor, group_macs: int, M: int, *, every_group: bool = False) -> None:
+    """Add what a PyTorch path executes for this call: every group for every token (``state``
+    dense, or ``every_group``: vLLM's dense kernels, then the mask), the union of active groups for
+    every token (``cpu_proj``'s small-M path), each token's own groups (large M, gathered), or
+    nothing."""
     state, runs, _ = plan
     G = mask.shape[1]
-    if state == "dense":
+    if state == "dense" or every_group:
         n = M * G
     elif state == "none":
         n = 0
@@ -138,8 +139,7 @@ def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
     plan = plan or skip_plan(mask)
     mlp = op._mlp[0]
     if _dense_masked(plan, M, G) and hasattr(mlp.down_proj, "cpu_linear"):
-        STATS["ffn"]["executed"] += M * G * op.group_macs
-        STATS["ffn"]["dense"] += M * G * op.group_macs
+        _count("ffn", plan, mask, op.group_macs, M, every_group=True)
         gu = _vllm_gemm(mlp.gate_up_proj, x)
         Fl = gu.shape[1] // 2
         h = F.silu(gu[:, :Fl]) * gu[:, Fl:]
@@ -167,8 +167,7 @@ def _out_cpu(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int)
     plan = plan or skip_plan(mask)
     o_proj = op._o[0]
     if _dense_masked(plan, M, G) and hasattr(o_proj, "cpu_linear"):
-        STATS["attention"]["executed"] += M * G * op.group_cols * out_features
-        STATS["attention"]["dense"] += M * G * op.group_cols * out_features
+        _count("attention", plan, mask, op.group_cols * out_features, M, every_group=True)
         if plan[0] != "dense":
             o = (o.reshape(M, G, -1) * mask.unsqueeze(-1)).reshape(M, -1)
         return _vllm_gemm(o_proj, o)
