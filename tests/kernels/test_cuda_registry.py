@@ -22,7 +22,14 @@ def reg(monkeypatch) -> KernelRegistry:
 def test_settings_come_from_the_environment_unless_overridden(reg, monkeypatch):
     monkeypatch.delenv("WIDE_CUPY_VERIFY", raising=False)
     monkeypatch.delenv("WIDE_CUPY_DENSE_ABOVE", raising=False)
-    assert reg.verify_enabled() and reg.dense_above() == 0.6 and not reg.autotune_enabled()
+    monkeypatch.delenv("WIDE_CUPY_GEMV_MAX_M", raising=False)
+    assert reg.verify_enabled() and reg.dense_above() == 0.1 and not reg.autotune_enabled()
+    assert reg.gemv_max_m() == 2
+    monkeypatch.setenv("WIDE_CUPY_GEMV_MAX_M", "4")
+    assert reg.gemv_max_m() == 4
+    with reg.overrides(gemv_max_m=2):
+        assert reg.gemv_max_m() == 2
+    assert reg.gemv_max_m() == 4
     monkeypatch.setenv("WIDE_CUPY_DENSE_ABOVE", "0.3")
     monkeypatch.setenv("WIDE_CUPY_VERIFY", "0")
     assert reg.dense_above() == 0.3 and not reg.verify_enabled()
@@ -84,3 +91,28 @@ def test_pick_tile_heuristic_unless_autotuning_and_reads_the_stored_table(reg, m
     with reg.overrides(autotune=True):
         assert autotune.pick_tile("key", tiles, tiles[0], never) is tiles[2]
         assert autotune.pick_tile("other", tiles[:1], tiles[0], never) is tiles[0]  # one candidate
+
+
+def test_dispatch_path_runs_gemv_for_decode_cublas_between_and_syncs_only_for_large_calls():
+    from wide_cli.runtime.cupy_ops import AUTO_MIN_M, CUBLAS_MASKED, dispatch_path
+
+    synced = []
+
+    def live(x):
+        return lambda: synced.append(x) or x
+
+    auto = {"dense_above": 0.1, "gemv_max_m": 1}
+    assert dispatch_path(1, live(0.9), **auto) == "GEMV"
+    assert [dispatch_path(m, live(0.0), **auto) for m in (2, 8, 9, AUTO_MIN_M - 1)] == [CUBLAS_MASKED] * 4
+    assert synced == []  # below AUTO_MIN_M no host sync reads the mask
+    assert dispatch_path(AUTO_MIN_M, live(0.05), **auto) == "kernel"
+    assert dispatch_path(AUTO_MIN_M, live(0.5), **auto) == CUBLAS_MASKED
+    assert synced == [0.05, 0.5]
+    assert dispatch_path(4096, live(0.0), **auto, capturing=True) == CUBLAS_MASKED  # no sync in capture
+    assert synced == [0.05, 0.5]
+    # WIDE_CUPY_DENSE_ABOVE=1: every masked call on the kernels (GEMV up to builds.GEMV_MAX_M tokens)
+    forced = {"dense_above": 1.0, "gemv_max_m": 1}
+    assert [dispatch_path(m, None, **forced) for m in (1, builds.GEMV_MAX_M, builds.GEMV_MAX_M + 1)] == [
+        "GEMV", "GEMV", "kernel"
+    ]
+    assert dispatch_path(4, None, dense_above=0.1, gemv_max_m=4) == "GEMV"

@@ -8,15 +8,21 @@ Every public operator has the exact signature and semantics of its reference in
 ``autotune``, and ``registry`` (``REGISTRY``: the process-wide state and settings, with
 ``fallback_counts()``, ``dispatch_counts()`` and ``broken_builds()``).
 
-- **Dispatch**: ``M <= 8`` tokens take the GEMV kernels (decode: skipped groups skip weight
-  reads); larger ``M`` the mask-reordered tensor-core GEMMs, with a tile picked per shape by a
-  small heuristic, or by measurement with ``WIDE_CUPY_AUTOTUNE=1``. ``mask=None`` goes to cuBLAS.
-- **Dense when routing skips little**: the kernels use ``mma.sync`` tensor cores, slower per FLOP
-  than cuBLAS on Hopper, so for ``M >= AUTO_MIN_M`` one host sync reads the live fraction of the
-  mask (executing pairs for ``gemm_mn``, live 16-row fragments for ``gemm_k``); above
-  ``WIDE_CUPY_DENSE_ABOVE`` (default 0.6) the op runs cuBLAS on the masked input instead, which is
-  exactly the same function. Never during CUDA-graph capture; ``REGISTRY.dispatch_counts()`` says
-  which ran.
+- **Dispatch** (``dispatch_path``; measured by ``make gpu-check`` on an H200, where the
+  ``mma.sync`` kernels are slower per FLOP than cuBLAS): a call of at most
+  ``WIDE_CUPY_GEMV_MAX_M`` tokens (default 2: decode) takes the GEMV kernels, whose skipped groups
+  skip their weight reads; a call of up to ``AUTO_MIN_M`` tokens runs cuBLAS on the masked input,
+  which is exactly the same function and needs no host sync; from ``AUTO_MIN_M`` tokens one host
+  sync reads the live fraction of the mask (executing pairs for ``gemm_mn``, live 16-row
+  fragments for ``gemm_k``) and the mask-reordered tensor-core GEMMs run only at or below
+  ``WIDE_CUPY_DENSE_ABOVE`` (default 0.1), with a tile picked per shape by a small heuristic or
+  by measurement (``WIDE_CUPY_AUTOTUNE=1``). During CUDA-graph capture the sync is skipped and
+  cuBLAS runs. ``WIDE_CUPY_DENSE_ABOVE=1`` runs the kernels for every masked call (GEMV up to
+  ``GEMV_MAX_M`` tokens). ``mask=None`` goes to cuBLAS. ``REGISTRY.dispatch_counts()`` says which
+  ran.
+- **Attention**: decode and prefills under ``AUTO_MIN_M`` tokens run the routed kernels; longer
+  prefills run PyTorch's fused ``scaled_dot_product_attention`` over every head with the skipped
+  heads zeroed (the same function), which was faster on an H200 there (``_attention_path``).
 - **Never a wrong answer**: unsupported shapes, dtypes or layouts go to the PyTorch reference, and
   the first call of every build is checked against it (``runtime/cuda/verify.py``).
 
@@ -27,6 +33,7 @@ Importing this module needs neither CuPy nor a GPU; calling an operator needs bo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -52,15 +59,53 @@ DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 AUTO_MIN_M = 512  # from this many tokens a host sync to pick kernel vs cuBLAS is cheap enough
 
 
-def _dense_is_faster(op: str, live: torch.Tensor, M: int) -> bool:
-    """True when the mask leaves so much work that cuBLAS on the masked input wins (one sync)."""
-    threshold = REGISTRY.dense_above()
-    if M < AUTO_MIN_M or threshold >= 1.0 or torch.cuda.is_current_stream_capturing():
-        REGISTRY.dispatch[(op, "kernel")] += 1
-        return False
-    dense = float(live) > threshold
-    REGISTRY.dispatch[(op, "cuBLAS on the masked input" if dense else "kernel")] += 1
-    return dense
+CUBLAS_MASKED = "cuBLAS on the masked input"
+
+
+def dispatch_path(M: int, live: Callable[[], float] | None, *, dense_above: float, gemv_max_m: int,
+                  capturing: bool = False) -> str:  # fmt: skip
+    """Which implementation a masked GEMM of ``M`` tokens runs: ``"GEMV"``, ``"kernel"`` (the
+    tensor-core GEMMs) or ``CUBLAS_MASKED`` (pure Python; see the module docstring).
+
+    ``live()`` returns the mask's live fraction in [0, 1]; it is called (one host sync) only for
+    ``M >= AUTO_MIN_M`` outside CUDA-graph capture.
+    """
+    if dense_above >= 1.0:  # every masked call on the kernels (gpu-check times them so)
+        return "GEMV" if M <= GEMV_MAX_M else "kernel"
+    if M <= gemv_max_m:
+        return "GEMV" if M <= GEMV_MAX_M else "kernel"
+    if M < AUTO_MIN_M or capturing or live is None:
+        return CUBLAS_MASKED
+    return "kernel" if float(live()) <= dense_above else CUBLAS_MASKED
+
+
+def _path(op: str, M: int, live: Callable[[], torch.Tensor]) -> str:
+    path = dispatch_path(
+        M, lambda: float(live()), dense_above=REGISTRY.dense_above(), gemv_max_m=REGISTRY.gemv_max_m(),
+        capturing=torch.cuda.is_current_stream_capturing(),
+    )  # fmt: skip
+    REGISTRY.dispatch[(op, path)] += 1
+    return path
+
+
+def masked_dense_mn(a, w, w2, mask, group_size, bias=None) -> torch.Tensor:
+    """``ops.gemm_mn`` (``w2`` None) or ``ops.gemm_mn_swiglu`` as cuBLAS plus one in-place
+    multiply by the mask: the same function with the fewest launches (each small elementwise
+    launch costs about as much as a decode-sized GEMM on a GPU)."""
+    M, N = a.shape[0], w.shape[0]
+    out = torch.nn.functional.linear(a, w, bias)
+    if w2 is not None:
+        out = torch.nn.functional.silu(out).mul_(torch.nn.functional.linear(a, w2))
+    out.view(M, N // group_size, group_size).mul_(mask.view(M, -1, 1))
+    return out
+
+
+def masked_dense_k(a, w, mask, group_size, bias=None) -> torch.Tensor:
+    """``ops.gemm_k`` as one ``where`` on the activations (skipped channels may hold NaN) plus
+    cuBLAS."""
+    M, K = a.shape
+    a0 = torch.where(mask.view(M, -1, 1), a.view(M, K // group_size, group_size), a.new_zeros(()))
+    return torch.nn.functional.linear(a0.view(M, K), w, bias)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,7 +227,10 @@ def _gemm_mn(a, w, w2, mask, group_size, bias, *, swiglu: bool, zero_skipped: bo
                 ops.expand_mask(mask_, group_size), o, torch.zeros((), dtype=o.dtype, device=dev)
             )
 
-    if M <= GEMV_MAX_M and group_size % 2 == 0:
+    path = _path(op, M, lambda: mask_.float().mean())
+    if path == CUBLAS_MASKED:
+        return masked_dense_mn(a, w, w2, mask_, group_size, bias)
+    if path == "GEMV" and group_size % 2 == 0:
         mmax = next_pow2(M)
         defines = {"MMAX": mmax, "SWIGLU": int(swiglu)}
         kern = get_kernel("gemv.cu", "wide_gemv_mn", dt, defines, dev)
@@ -203,8 +251,6 @@ def _gemm_mn(a, w, w2, mask, group_size, bias, *, swiglu: bool, zero_skipped: bo
     widest = max(t.bn_out(swiglu) for t in cands)
     cands = [t for t in cands if t.bn_out(swiglu) == widest]
     order, counts = reorder(mask_)  # counted in the op's time (one launch)
-    if _dense_is_faster(op, counts.sum() / max(1, counts.numel() * M), M):
-        return ref()  # dense cuBLAS, then the mask: the same function
 
     def run_tile(t: GemmTile):
         kern = get_kernel("gemm_mn.cu", "wide_gemm_mn", dt, t.defines(swiglu), dev)
@@ -252,7 +298,17 @@ def gemm_k(a, w, mask, group_size, bias=None):
     bias_ = bias.contiguous() if bias is not None else None
     bias_arg, has_bias = (arg(bias_), 1) if bias_ is not None else (arg(out), 0)
 
-    if M <= GEMV_MAX_M:
+    packed_box: list[torch.Tensor] = []
+
+    def live_fragments() -> torch.Tensor:  # live 16-row fragments x groups (what the GEMM reads)
+        packed_box.append(pack_mask(mask_))
+        halves = torch.stack([packed_box[0] & 0xFFFF, (packed_box[0] >> 16) & 0xFFFF])
+        return (halves != 0).float().mean()
+
+    path = _path("gemm_k", M, live_fragments)
+    if path == CUBLAS_MASKED:
+        return masked_dense_k(a, w, mask_, group_size, bias)
+    if path == "GEMV":
         defines = {"MMAX": next_pow2(M), "SWIGLU": 0}
         kern = get_kernel("gemv.cu", "wide_gemv_k", dt, defines, dev)
 
@@ -267,11 +323,8 @@ def gemm_k(a, w, mask, group_size, bias=None):
 
     if group_size % 32:
         return fallback("gemm_k", f"group_size {group_size} is not a multiple of 32", ref)
-    packed = pack_mask(mask_)
+    packed = packed_box[0] if packed_box else pack_mask(mask_)
     words = packed.shape[0]
-    halves = torch.stack([packed & 0xFFFF, (packed >> 16) & 0xFFFF])  # 16-row fragments x groups
-    if _dense_is_faster("gemm_k", (halves != 0).float().mean(), M):
-        return ref()  # cuBLAS on the masked activations: the same function
 
     def run_tile(t: GemmTile):
         kern = get_kernel("gemm_k.cu", "wide_gemm_k", dt, t.defines(), dev)
@@ -290,6 +343,56 @@ def gemm_k(a, w, mask, group_size, bias=None):
 
 # ----------------------------------------------------------------------------------------------
 # attention
+
+
+SDPA = "scaled_dot_product_attention, skipped heads zeroed"
+
+
+def _attention_path(op: str, tokens: int) -> str:
+    """The routed kernel, or ``SDPA`` for prefills of at least ``AUTO_MIN_M`` tokens.
+
+    Measured by ``make gpu-check`` on an H200: from 1,024 prompt tokens the prefill kernel took
+    1.3-2.5x the time of PyTorch's fused attention (which computes every head) at any share of
+    heads skipped short of all; up to 128 tokens and in decode the kernel was faster than the
+    fused attention plus its mask and zeroing. ``WIDE_CUPY_DENSE_ABOVE=1`` always runs the kernels.
+    """
+    use_sdpa = op == "attention_prefill" and tokens >= AUTO_MIN_M and REGISTRY.dense_above() < 1.0
+    path = SDPA if use_sdpa else "kernel"
+    REGISTRY.dispatch[(op, path)] += 1
+    return path
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor | None, scale: float):
+    """PyTorch's fused attention: q ``[B, H, T, d]``, k/v ``[B, H_kv, S, d]``, vis ``[B, T, S]``
+    bool or None (causal, ``T == S``) -> ``[B, H, T, d]`` in q's dtype (NaN rows where nothing
+    is visible)."""
+    import torch.nn.functional as Fn
+
+    mask = None if vis is None else vis[:, None]
+    if q.shape[1] != k.shape[1]:
+        try:  # grouped-query attention without copying the cache (torch >= 2.5)
+            return Fn.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=vis is None, scale=scale, enable_gqa=True
+            )
+        except TypeError:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return Fn.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=vis is None, scale=scale)
+
+
+def sdpa_attention_prefill(q, k, v, head_mask, *, key_valid=None, q_offset=0, scale, window=None):
+    """``ops.attention_prefill`` (same arguments and result) on PyTorch's fused attention: every
+    head is computed, then skipped (token, head) pairs and queries that see no key are zeroed.
+    Without padding, window or offset it runs causal (flash) attention with no mask tensor."""
+    ops.check_prefill_shapes(q, k, v, head_mask, q_offset)
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    plain = key_valid is None and window is None and q_offset == 0 and S == T
+    vis = None if plain else ops.key_visibility(B, T, S, q_offset, key_valid, window, q.device)
+    out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), vis, scale).transpose(1, 2)
+    keep = torch.ones(B, T, 1, dtype=torch.bool, device=q.device) if vis is None else vis.any(-1, keepdim=True)
+    if head_mask is not None:
+        keep = keep & head_mask.to(device=q.device, dtype=torch.bool)
+    return torch.where(keep[..., None], out, out.new_zeros(()))
 
 
 def _attn_strides_ok(t: torch.Tensor) -> bool:
@@ -314,6 +417,10 @@ def attention_prefill(q, k, v, head_mask, *, key_valid=None, q_offset=0, scale, 
         return fallback("attention_prefill", why, ref)
     if T == 0 or B == 0:
         return ref()
+    if _attention_path("attention_prefill", T) == SDPA:
+        return sdpa_attention_prefill(
+            q, k, v, head_mask, key_valid=key_valid, q_offset=q_offset, scale=scale, window=window
+        )
     dev, dt = q.device, DTYPES[q.dtype]
     q_, k_, v_ = (t if _attn_strides_ok(t) else t.contiguous() for t in (q, k, v))
     hm = torch.ones(B, T, H, dtype=torch.bool, device=dev) if head_mask is None else _bool_on(head_mask, dev)
@@ -362,6 +469,7 @@ def attention_decode(q, k_cache, v_cache, head_mask, key_valid, *, scale, window
         return fallback("attention_decode", why, ref)
     if S == 0 or B == 0:
         return ref()
+    _attention_path("attention_decode", B)
     dev, dt = q.device, DTYPES[q.dtype]
     q_ = q if (q.stride(-1) == 1 and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.data_ptr() % 16 == 0) \
         else q.contiguous()  # fmt: skip
