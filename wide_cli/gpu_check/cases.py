@@ -62,6 +62,8 @@ def build_cases() -> dict[str, list[Case]]:
         for (op, model, m, s), _ in TARGETS.values()
     ]
     for model in MODELS:
+        for m in (1, 2, 4, 8):  # where GEMV stops paying against cuBLAS (WIDE_CUPY_GEMV_MAX_M)
+            bench += [Case(op, model, m, s, "random") for s in (0.0, 0.5, 0.75) for op in GEMM_OPS]
         for m in MS:
             for s in SPARSITIES:
                 bench += [Case(op, model, m, s, "random") for op in GEMM_OPS]

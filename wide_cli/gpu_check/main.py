@@ -29,6 +29,7 @@ every number and a ``targets`` summary.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import threading
@@ -36,11 +37,19 @@ import time
 import traceback
 from pathlib import Path
 
+from wide_cli.atomic import atomic_write_bytes
 from wide_cli.gpu_check.cases import TARGETS, build_cases
 from wide_cli.gpu_check.compile import section_compile
 from wide_cli.gpu_check.e2e import section_e2e
 from wide_cli.gpu_check.measure import section_cases
-from wide_cli.gpu_check.report import Report, print_summary, targets_summary, versions, watchdog
+from wide_cli.gpu_check.report import (
+    Report,
+    print_summary,
+    render_markdown,
+    targets_summary,
+    versions,
+    watchdog,
+)
 
 BUDGET_SPLIT = {"compile": 0.22, "check": 0.33, "bench": 0.33, "e2e": 0.12}
 
@@ -55,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     from wide_cli.runtime.cuda.registry import REGISTRY
 
     args = _parser().parse_args(argv)
+    if args.render_only:
+        return _render(Path(args.out))
     done = threading.Event()
     settings = {"dense_above": 1.0} if args.verify else {"dense_above": 1.0, "verify": False}
     auto_threshold = REGISTRY.dense_above()  # what a user's run would apply
@@ -63,6 +74,18 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args, done, auto_threshold)
     finally:
         done.set()  # stops the watchdog
+
+
+def _render(out: Path) -> int:
+    """Write ``gpu_check.md`` beside ``gpu_check.json`` (atomically); 2 when there is no JSON."""
+    src = out / "gpu_check.json"
+    if not src.is_file():
+        print(f"error: {src} does not exist; run `make gpu-check` on a GPU machine first", file=sys.stderr)
+        return 2
+    data = json.loads(src.read_text())
+    command = "python -m wide_cli.gpu_check " + " ".join(data.get("argv", []))
+    atomic_write_bytes(out / "gpu_check.md", render_markdown(data, command).encode())
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--sections", default="compile,check,bench,e2e", help="comma-separated subset to run")
     p.add_argument("--verify", action="store_true", help="keep first-use verification on (default off here)")
+    p.add_argument(
+        "--render-only", action="store_true", help="rewrite gpu_check.md from the gpu_check.json in --out; run nothing"
+    )
     return p
 
 
@@ -92,6 +118,9 @@ def _run(args: argparse.Namespace, done: threading.Event, auto_threshold: float)
         "case_counts": {k: len(v) for k, v in cases.items()}, "targets_wanted": {k: v[1] for k, v in TARGETS.items()},
     })  # fmt: skip
     report.data["auto_dense_threshold"] = auto_threshold
+    from wide_cli.runtime.cuda.registry import REGISTRY
+
+    report.data["auto_gemv_max_m"] = REGISTRY.gemv_max_m()
     threading.Thread(target=watchdog, args=(report, t_start + args.budget_s + 45, done), daemon=True).start()
     budget = {k: v * args.budget_s for k, v in BUDGET_SPLIT.items()}
     if not args.export:
@@ -112,7 +141,6 @@ def _run(args: argparse.Namespace, done: threading.Event, auto_threshold: float)
     import torch
 
     from wide_cli.runtime.cuda.launch import cuda_status, device_arch
-    from wide_cli.runtime.cuda.registry import REGISTRY
 
     why = cuda_status()
     if why is not None:
@@ -139,7 +167,12 @@ def _run(args: argparse.Namespace, done: threading.Event, auto_threshold: float)
     report.data["targets"] = targets_summary(report)
     if args.export and "e2e" in wanted and not state.get("sticky"):
         try:
-            section_e2e(report, args.export, budget["e2e"])
+            # what a user's run gets: the default dispatch and first-use verification
+            with REGISTRY.overrides(dense_above=auto_threshold, verify=True):
+                before = dict(REGISTRY.dispatch)
+                section_e2e(report, args.export, budget["e2e"])
+                ran = {k: n - before.get(k, 0) for k, n in REGISTRY.dispatch.items()}
+                report.data["sections"]["e2e"]["dispatch"] = {f"{op}: {p}": n for (op, p), n in ran.items() if n}
         except Exception as e:  # noqa: BLE001 - recorded in the JSON
             report.data["sections"]["e2e"] = {
                 "error": f"{type(e).__name__}: {e}",
@@ -150,6 +183,7 @@ def _run(args: argparse.Namespace, done: threading.Event, auto_threshold: float)
     report.data["sticky_cuda_error"] = state.get("sticky")
     report.data["seconds"] = round(time.time() - t_start, 1)
     report.write()
+    _render(Path(args.out))
     print_summary(report)
     chk = report.data["sections"].get("check", {})
     return 1 if chk.get("failed") or state.get("sticky") else 0

@@ -108,19 +108,26 @@ def run_case(case: Case, weights: dict, mode: str, auto_threshold: float = 0.6) 
         rec["kernel_graph_ms"] = time_graph(wl.kernel)
         rec["dense_ms"] = time_eager(wl.dense)
         rec["dense_graph_ms"] = time_graph(wl.dense)
+        with REGISTRY.overrides(dense_above=auto_threshold):  # what a user's call runs (dispatch included)
+            rec["default_ms"] = time_eager(wl.kernel)
+            rec["default_graph_ms"] = time_graph(wl.kernel)
         rec["naive_ms"] = time_eager(wl.naive, warmup=1, max_reps=5)
         k = rec["kernel_graph_ms"] or rec["kernel_ms"]
         dn = rec["dense_graph_ms"] or rec["dense_ms"]
         rec["speedup_vs_dense"] = dn / k if k else None
+        dflt = rec["default_graph_ms"] or rec["default_ms"]
+        rec["default_speedup_vs_dense"] = dn / dflt if dflt else None
         rec["speedup_vs_dense_eager"] = rec["dense_ms"] / rec["kernel_ms"] if rec["kernel_ms"] else None
         rec["speedup_vs_naive"] = rec["naive_ms"] / k if k else None
         rec["kernel_tflops"] = wl.flops / (k * 1e9) if k else None
         if wl.live is not None:
-            from wide_cli.runtime.cupy_ops import AUTO_MIN_M
+            from wide_cli.runtime.cuda.registry import REGISTRY
+            from wide_cli.runtime.cupy_ops import dispatch_path
 
-            rec["live_fraction"] = wl.live
-            dense = case.m >= AUTO_MIN_M and wl.live > auto_threshold
-            rec["default_dispatch"] = "cuBLAS on the masked input" if dense else "kernel"
+            live = rec["live_fraction"] = wl.live
+            rec["default_dispatch"] = dispatch_path(
+                case.m, lambda: live, dense_above=auto_threshold, gemv_max_m=REGISTRY.gemv_max_m()
+            )
         rec["kernel_gbps"] = wl.bytes / (k * 1e6) if k else None
     rec["fallbacks"] = fallbacks_since(before)
     rec["seconds"] = round(time.time() - t0, 3)

@@ -94,3 +94,83 @@ def print_summary(report: Report) -> None:
     for r in bench[:60]:
         print(f"{r['op']:12s} {r['model']:13s} {r['m']:5d} {r['sparsity']:5.2f} {(r['kernel_graph_ms'] or r['kernel_ms']):8.4f} "
               f"{(r['dense_graph_ms'] or r['dense_ms']):8.4f} {r['speedup_vs_dense']:7.2f} {r['ideal_speedup']:6.2f}")  # fmt: skip
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def render_markdown(data: dict, command: str) -> str:
+    """The results page of one ``gpu_check.json``: checks, targets, and every bench speed-up over
+    the dense op (cuBLAS ``F.linear`` / ``scaled_dot_product_attention``, CUDA-graph replays)."""
+    dev, ver = data.get("device", {}), data.get("versions", {})
+    chk = data["sections"].get("check", {})
+    recs = [r for r in data["sections"].get("bench", {}).get("records", []) if r.get("speedup_vs_dense")]
+    lines = [
+        "# CUDA kernels on one GPU: checks against the reference and speed against cuBLAS",
+        "",
+        f"Command: `{command}` (written by `python -m wide_cli.gpu_check`; raw numbers in `gpu_check.json`).",
+        "",
+        (f"Device: {dev.get('name')} ({dev.get('sms')} SMs, {dev.get('memory_gb')} GiB, {dev.get('l2_mb')} MB L2), "
+        f"torch {ver.get('torch')}, CuPy {ver.get('cupy')}, NVRTC {ver.get('nvrtc')}; {data.get('seconds')} s in all."),
+        "",
+        "## Checks",
+        "",
+        (f"{chk.get('passed', 0)} of {chk.get('cases', 0)} operator cases match their PyTorch reference (fp32 on the "
+        f"same inputs; relative Frobenius error within 1e-2 for bf16, 2e-3 for fp16; skipped outputs exact zeros); "
+        f"{len(chk.get('failed', []))} failed, {chk.get('skipped_budget', 0)} skipped for time."),
+        "",
+        "## Targets (kernel over the dense op, random masks)",
+        "",
+        "| target | wanted | measured | met |",
+        "|---|---|---|---|",
+    ]  # fmt: skip
+    for label, t in data.get("targets", {}).items():
+        lines.append(f"| {label} | {t['target']:.2f}x | {_x(t['measured'])} | {'yes' if t['met'] else 'no'} |")
+    sp = sorted({r["sparsity"] for r in recs if r["op"] != "attn_prefill"})
+    lines += [
+        "",
+        "## Routed GEMMs: kernel over cuBLAS, by tokens M and share of groups skipped s",
+        "",
+        (f"Random masks; each cell is the kernel's CUDA-graph time over the dense `F.linear`'s. The last column is "
+        f"what the default dispatch runs at s = 0.5 (`WIDE_CUPY_GEMV_MAX_M` = {data.get('auto_gemv_max_m')}, "
+        f"`WIDE_CUPY_DENSE_ABOVE` = {data.get('auto_dense_threshold')}); `cuBLAS on the masked input` computes "
+        f"the same function at the dense op's speed; in brackets, the default call's time over the dense op's."),
+        "",
+        "| model | op | M | " + " | ".join(f"s={s:g}" for s in sp) + " | default at s=0.5 |",
+        "|---|---|---|" + "---|" * len(sp) + "---|",
+    ]  # fmt: skip
+    gemm = {}
+    for r in recs:
+        if r["op"] not in ("attn_decode", "attn_prefill") and r["mask"] == "random":
+            gemm[(r["model"], r["op"], r["m"], r["sparsity"])] = r
+    for model, op, m in sorted({k[:3] for k in gemm}, key=lambda k: (k[0], k[1], k[2])):
+        cells = [_x(gemm[(model, op, m, s)]["speedup_vs_dense"]) if (model, op, m, s) in gemm else "-" for s in sp]
+        half = gemm.get((model, op, m, 0.5), {})
+        dflt = half.get("default_speedup_vs_dense")
+        lines.append(f"| {model} | {op} | {m} | " + " | ".join(cells) + f" | {half.get('default_dispatch', '-')}"
+                     + (f" ({_x(dflt)})" if dflt else "") + " |")  # fmt: skip
+    lines += [
+        "",
+        "## Attention: kernel over `scaled_dot_product_attention`",
+        "",
+        "| model | op | rows (decode) or tokens (prefill) | context | s | kernel ms | dense ms | speed-up | default dispatch |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in recs:
+        if r["op"] in ("attn_decode", "attn_prefill") and r["mask"] == "random":
+            k, d = r["kernel_graph_ms"] or r["kernel_ms"], r["dense_graph_ms"] or r["dense_ms"]
+            lines.append(f"| {r['model']} | {r['op']} | {r['m']} | {r.get('slots') or r['m']} | {r['sparsity']:g} | "
+                         f"{k:.4f} | {d:.4f} | {_x(r['speedup_vs_dense'])} | {_x(r.get('default_speedup_vs_dense'))} |")  # fmt: skip
+    e2e = data["sections"].get("e2e")
+    if e2e and "runs" in e2e:
+        lines += ["", f"## End to end: `{e2e['export']}` on the cupy backend, routed over dense (same backend)", ""]
+        lines += ["| run | prefill speed-up (1 x 1024 tokens) | decode speed-up (8 rows x 32 steps) |", "|---|---|---|"]
+        for label in ("routed", "forced_s0.5"):
+            lines.append(f"| {label} | {_x(e2e.get(f'{label}_prefill_speedup'))} | "
+                         f"{_x(e2e.get(f'{label}_decode_speedup'))} |")  # fmt: skip
+        if "logits_rel_err_vs_reference" in e2e:
+            lines += ["", (f"Logits against the reference backend (bf16, 2 x 64 tokens): relative error "
+                      f"{e2e['logits_rel_err_vs_reference']:.4f}, argmax agreement {e2e['argmax_agreement']:.3f}. "
+                      f"Dispatch: {', '.join(f'{k} {n}' for k, n in e2e.get('dispatch', {}).items() if n) or '-'}.")]  # fmt: skip
+    return "\n".join(lines) + "\n"
