@@ -65,7 +65,7 @@
 #define WIDE_I4_SIMD 1 /* the int4 x int8 kernel (32-byte vectors; vpdpbusd where AVX512-VNNI/VL is) */
 #endif
 
-#define WIDE_DECODE_ABI 8
+#define WIDE_DECODE_ABI 9
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_I4 = 3 };
 /* The step's counters (cnt[]): executed weight, attention and router multiply-adds, weight bytes
@@ -1965,15 +1965,55 @@ static int64_t ctx_rows(WCtx *c, int64_t nthreads, int64_t B, int64_t K) {
     return 0;
 }
 
+/* The module's decisions for M tokens, as decide(): mask[b][j] = 1 when force, else
+ * rw[j] . r[b] + rb[j] >= 0 (fp32; rw [G][D], the folded router). rw NULL: mask is the caller's. */
+static void route_rows(const float *rw, const float *rb, int64_t force, int64_t G, int64_t D, int64_t M,
+                       const float *r, uint8_t *mask, int64_t *cnt) {
+    if (rw == NULL) return;
+    float tmp[4096];
+    for (int64_t b = 0; b < M; b++) {
+        if (force) {
+            memset(mask + b * G, 1, (size_t)G);
+            continue;
+        }
+        dot_f32(rw, D, G, r + b * D, tmp);
+        cnt[CNT_ROUTER_MACS] += G * D;
+        for (int64_t j = 0; j < G; j++) mask[b * G + j] = (tmp[j] + rb[j]) >= 0.0f;
+    }
+}
+
+/* y[b] += the stand-ins of the groups row b skips (st [G][N] fp32, NULL: none), as the PyTorch
+ * path: with bf16 activations the row is rounded to bf16 first (the projection's output dtype). */
+static int64_t standin_rows(const float *st, const uint8_t *mask, int64_t G, int64_t N, int64_t M, int64_t bf,
+                            float *y) {
+    if (st == NULL) return 0;
+    float *tmp = NULL;
+    for (int64_t b = 0; b < M; b++) {
+        int any = 0;
+        for (int64_t j = 0; j < G; j++) any |= !mask[b * G + j];
+        if (!any) continue;
+        if (tmp == NULL && (tmp = malloc((size_t)N * sizeof(float))) == NULL) return -1;
+        if (bf) for (int64_t i = 0; i < N; i++) y[b * N + i] = round_bf16(y[b * N + i]);
+        add_standins(st, mask + b * G, G, N, bf, y + b * N, tmp);
+    }
+    free(tmp);
+    return 0;
+}
+
 /* One routed SwiGLU FFN for M <= 64 tokens outside a decode step (the vLLM plugin's decode
  * steps): y [M][D] = the FFN of x [M][D] (fp32) over the groups each token executes (mask
  * [M][GF], 1 = execute), layouts and formats of layer_step (gu rows, down w_t or blocked), each
- * group's weights read once for all tokens that execute it. scratch: M GF fg 3 floats; cnt[0..3]
- * as wide_decode_batch. Returns 0, or -1 for bad arguments. */
+ * group's weights read once for all tokens that execute it. With a router (rw [GF][D], rb [GF]
+ * fp32, force) the call first writes mask from r [M][D] (the residual stream the router reads);
+ * with stand-ins (st [GF][D] fp32) it adds each token's skipped groups' stand-ins to y. bf: the
+ * activations are bf16 (rounding as the PyTorch path). scratch: M GF fg 3 floats; cnt[0..3] as
+ * wide_decode_batch. Returns 0, or -1 for bad arguments or no memory. */
 int64_t wide_ffn_rows(WCtx *c, int64_t nthreads, int64_t fmt, int64_t blocked, int64_t bf, const void *gu,
                       const void *gu_s, const void *down, const void *down_s, int64_t D, int64_t GF, int64_t fg,
-                      int64_t M, const float *x, const uint8_t *mask, float *y, float *scratch, int64_t *cnt) {
+                      int64_t M, const float *x, const float *r, const float *rw, const float *rb, int64_t force,
+                      const float *st, uint8_t *mask, float *y, float *scratch, int64_t *cnt) {
     if (GF > 4096 || ctx_rows(c, nthreads, M, D > GF * fg ? D : GF * fg) != 0) return -1;
+    route_rows(rw, rb, force, GF, D, M, r, mask, cnt);
     float *hs[WIDE_MAX_BATCH], *hids[WIDE_MAX_BATCH], *ys[WIDE_MAX_BATCH];
     for (int64_t b = 0; b < M; b++) {
         hs[b] = (float *)x + b * D;
@@ -1982,16 +2022,19 @@ int64_t wide_ffn_rows(WCtx *c, int64_t nthreads, int64_t fmt, int64_t blocked, i
         memset(ys[b], 0, (size_t)D * sizeof(float));
     }
     ffn_sets(c, fmt, blocked, gu, gu_s, down, down_s, D, GF, fg, bf, M, hs, mask, hids, ys, cnt);
-    return 0;
+    return standin_rows(st, mask, GF, D, M, bf, y);
 }
 
 /* One routed O projection for M <= 64 tokens: y [M][N] = a [M][G cols] (fp32) times the O
- * weights over the head groups each token executes (mask [M][G]). cnt as wide_decode_batch.
- * Returns 0, or -1 for bad arguments. */
-int64_t wide_out_rows(WCtx *c, int64_t nthreads, int64_t fmt, int64_t blocked, const void *o, const void *o_s,
-                      int64_t N, int64_t cols, int64_t G, int64_t M, const float *a, const uint8_t *mask, float *y,
+ * weights over the head groups each token executes (mask [M][G]). Router (r [M][N], rw [G][N],
+ * rb, force), stand-ins (st [G][N]) and bf as wide_ffn_rows; cnt as wide_decode_batch. Returns 0,
+ * or -1 for bad arguments or no memory. */
+int64_t wide_out_rows(WCtx *c, int64_t nthreads, int64_t fmt, int64_t blocked, int64_t bf, const void *o,
+                      const void *o_s, int64_t N, int64_t cols, int64_t G, int64_t M, const float *a, const float *r,
+                      const float *rw, const float *rb, int64_t force, const float *st, uint8_t *mask, float *y,
                       int64_t *cnt) {
     if (G > 4096 || ctx_rows(c, nthreads, M, G * cols) != 0) return -1;
+    route_rows(rw, rb, force, G, N, M, r, mask, cnt);
     float *as[WIDE_MAX_BATCH], *ys[WIDE_MAX_BATCH];
     for (int64_t b = 0; b < M; b++) {
         as[b] = (float *)a + b * G * cols;
@@ -1999,6 +2042,6 @@ int64_t wide_out_rows(WCtx *c, int64_t nthreads, int64_t fmt, int64_t blocked, c
         memset(ys[b], 0, (size_t)N * sizeof(float));
     }
     out_sets(c, fmt, blocked, o, o_s, N, cols, G, M, as, mask, ys, cnt);
-    return 0;
+    return standin_rows(st, mask, G, N, M, bf, y);
 }
 

@@ -465,6 +465,53 @@ def test_routed_ffn_and_out_rows_match_the_masking_oracle(fmt, M):
         assert not got_ffn[1].any() and not got_out[1].any()
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("M", [1, 4])
+def test_routed_module_with_its_router_and_standins_equals_the_torch_composition(fmt, M):
+    """With ``router=`` the native call decides each token's groups from the residual stream and
+    adds the skipped groups' stand-ins itself: the same decisions as the folded router in PyTorch
+    (``WideRouter``: ``W r + b >= 0``, or every group when forced) and the same output as the
+    masked call plus ``(~ex) @ standin`` in the activations' dtype."""
+    from wide_cli.runtime.backend import Counter
+    from wide_cli.runtime.cpu_proj import Proj, grouped_gate_up
+
+    g = torch.Generator().manual_seed(10 + M)
+    D, F, fg, H, d, ag = 64, 256, 32, 4, 16, 2
+    Gf, Go = F // fg, H // ag
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+    proj_fmt = "float" if fmt in ("fp32", "bf16") else fmt
+    w_gate, w_up, w_down = (torch.randn(s, generator=g) * 0.1 for s in ((F, D), (F, D), (D, F)))
+    w_o = torch.randn(D, H * d, generator=g) * 0.1
+    gu = Proj(grouped_gate_up(w_gate, w_up, fg).to(dtype), "n", proj_fmt, dtype, "cpu", Counter())
+    down = Proj(w_down.to(dtype), "k", proj_fmt, dtype, "cpu", Counter(), fg)
+    o = Proj(w_o.to(dtype), "k", proj_fmt, dtype, "cpu", Counter(), ag * d)
+    x, r = (torch.randn(M, D, generator=g).to(dtype) for _ in range(2))
+    a = torch.randn(M, H * d, generator=g).to(dtype)
+    for force in (False, True):
+        for standin in (True, False):
+            for proj, G, inp, call in ((down, Gf, x, "ffn"), (o, Go, a, "out")):
+                rw, rb = torch.randn(G, D, generator=g) * 0.2, torch.randn(G, generator=g) * 0.2
+                st = torch.randn(G, D, generator=g) * 0.5 if standin else None
+                router = cpu_native.ModuleRouter(rw, rb, force, st)
+                ex = (torch.nn.functional.linear(r.float(), rw, rb) >= 0) | force
+                cnt = torch.zeros(len(cpu_native.COUNTERS), dtype=torch.int64)
+                if call == "ffn":
+                    got = cpu_native.routed_ffn(gu, down, inp, None, cnt, router=router, r=r)
+                    want = cpu_native.routed_ffn(gu, down, inp, ex)
+                else:
+                    got = cpu_native.routed_out(o, inp, None, cnt, router=router, r=r)
+                    want = cpu_native.routed_out(o, inp, ex)
+                if st is not None:
+                    want = want + ((~ex).float() @ st).to(dtype)
+                assert got.dtype == dtype and got.shape == want.shape
+                torch.testing.assert_close(got.float(), want.float(), atol=1e-5 if fmt != "bf16" else 1e-2, rtol=0)
+                assert int(cnt[2]) == (0 if force else M * G * D)  # router multiply-adds
+                macs = (3 * fg * D) if call == "ffn" else (ag * d * D)
+                assert int(cnt[0]) == int(ex.sum()) * macs  # the decisions the call took
+    with pytest.raises(ValueError, match="router input"):
+        cpu_native.routed_ffn(gu, down, x, None, router=cpu_native.ModuleRouter(rw, rb, False, None), r=r[:, :8])
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "bf16"])
 @pytest.mark.parametrize("M", [2, 4, 5, 16])
 def test_routed_rows_in_a_batch_equal_each_row_alone(fmt, M):

@@ -34,13 +34,14 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "cpu_decode.c"
-ABI = 8
+ABI = 9
 #: Rows of one native step (the C WIDE_MAX_BATCH: a group's rows are one 64-bit set).
 MAX_BATCH = 64
 FMT_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -187,9 +188,11 @@ def load(path: Path) -> ctypes.CDLL:
     lib.wide_decode_scratch_floats.restype = _I64
     lib.wide_decode_scratch_floats.argtypes = [ctypes.POINTER(_WModel), _I64]
     lib.wide_ffn_rows.restype = _I64
-    lib.wide_ffn_rows.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P]
+    lib.wide_ffn_rows.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P,
+                                  _I64, _P, _P, _P, _P, _P]  # fmt: skip
     lib.wide_out_rows.restype = _I64
-    lib.wide_out_rows.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P]
+    lib.wide_out_rows.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P,
+                                  _P, _P, _P]  # fmt: skip
     lib.wide_decode_batch.restype = _I64
     lib.wide_decode_batch.argtypes = [_P, ctypes.POINTER(_WModel), _I64, _P, _P, _I64, _P, _P, _P, _P]
     lib.wide_gemm.restype = _I64
@@ -325,18 +328,46 @@ def _counters(cnt: torch.Tensor | None) -> torch.Tensor:
     return cnt
 
 
-def routed_ffn(gu, down, x: torch.Tensor, mask: torch.Tensor, cnt: torch.Tensor | None = None) -> torch.Tensor | None:
+class ModuleRouter(NamedTuple):
+    """A routed module's folded router and stand-ins, for ``routed_ffn`` / ``routed_out`` to decide
+    the tokens' groups themselves: ``weight [G, D]`` and ``bias [G]`` fp32 contiguous (execute group
+    j when ``weight[j] . r + bias[j] >= 0``, as ``WideRouter``), ``force`` (every group executes),
+    ``standin [G, N]`` fp32 contiguous or None (what each skipped group adds to the output)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    force: bool
+    standin: torch.Tensor | None
+
+
+def _route_args(router: ModuleRouter | None, r: torch.Tensor | None, M: int, G: int, D: int) -> tuple:
+    """``(r_f32, r, rw, rb, force, st)`` C arguments (the first keeps the fp32 copy alive)."""
+    if router is None:
+        return None, None, None, None, 0, None
+    if r is None or tuple(r.shape) != (M, D) or tuple(router.weight.shape) != (G, D):
+        raise ValueError(f"router input {None if r is None else tuple(r.shape)} / weight "
+                         f"{tuple(router.weight.shape)} do not fit {M} tokens, {G} groups of width {D}")  # fmt: skip
+    rf = r.to(torch.float32).contiguous()
+    st = router.standin
+    return rf, rf.data_ptr(), router.weight.data_ptr(), router.bias.data_ptr(), int(router.force), _ptr(st)
+
+
+def routed_ffn(gu, down, x: torch.Tensor, mask: torch.Tensor | None, cnt: torch.Tensor | None = None, *,
+               router: ModuleRouter | None = None, r: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
     """The routed SwiGLU FFN of ``x [M, D]`` for ``M <= MAX_BATCH`` tokens, each over its own groups
     (``mask [M, G]`` bool or uint8; any mask, all on or all off included), every group's weights read
     once for the tokens that execute it: the native step's FFN (``wide_ffn_rows``) on ``cpu_proj``
-    projections ``gu`` (axis n, group-major gate | up) and ``down`` (axis k). ``cnt``: int64
-    ``[len(COUNTERS)]`` the call adds its executed multiply-adds and weight bytes to (None: not
-    kept). Returns ``[M, D]`` in ``x``'s dtype, or None when the library cannot run it (no
-    library, no tokens or more than ``MAX_BATCH``, another format, more than 4,096 groups): the
-    caller runs its PyTorch path.
+    projections ``gu`` (axis n, group-major gate | up) and ``down`` (axis k). With ``router`` the
+    call decides the groups itself from ``r [M, D]`` (the residual stream the router reads; ``mask``
+    is then ignored) and adds the skipped groups' stand-ins, in one native call. ``cnt``: int64
+    ``[len(COUNTERS)]`` the call adds its executed multiply-adds, router multiply-adds and weight
+    bytes to (None: not kept). Returns ``[M, D]`` in ``x``'s dtype, or None when the library cannot
+    run it (no library, no tokens or more than ``MAX_BATCH``, another format, more than 4,096
+    groups): the caller runs its PyTorch path.
 
     Raises:
-        ValueError: ``mask`` not ``[M, G]``, or ``cnt`` not an int64 ``[len(COUNTERS)]``.
+        ValueError: ``mask`` not ``[M, G]``, ``r`` / ``router`` not fitting, or ``cnt`` not an
+            int64 ``[len(COUNTERS)]``.
     """
     lib = library()
     M, D = x.shape
@@ -345,34 +376,41 @@ def routed_ffn(gu, down, x: torch.Tensor, mask: torch.Tensor, cnt: torch.Tensor 
         return None
     g = down.g
     G = down.K // g
-    m = _row_mask(mask, M, G)
+    keep, *rargs = _route_args(router, r, M, G, D)
+    m = torch.empty(M, G, dtype=torch.uint8) if router is not None else _row_mask(mask, M, G)
     cnt = _counters(cnt)
     xf = x.to(torch.float32).contiguous()
     y = torch.empty(M, D, dtype=torch.float32)
     scratch = torch.empty(M * G * g * 3, dtype=torch.float32)
     (wg, sg), (wd, sd) = _proj_ptrs(gu), _proj_ptrs(down)
     rc = lib.wide_ffn_rows(context(lib), torch.get_num_threads(), fmt, 0, int(x.dtype == torch.bfloat16), wg, sg, wd, sd,
-                           D, G, g, M, xf.data_ptr(), m.data_ptr(), y.data_ptr(), scratch.data_ptr(), cnt.data_ptr())  # fmt: skip
+                           D, G, g, M, xf.data_ptr(), *rargs, m.data_ptr(), y.data_ptr(), scratch.data_ptr(),
+                           cnt.data_ptr())  # fmt: skip
+    del keep
     return None if rc != 0 else y.to(x.dtype)
 
 
-def routed_out(o, a: torch.Tensor, mask: torch.Tensor, cnt: torch.Tensor | None = None) -> torch.Tensor | None:
+def routed_out(o, a: torch.Tensor, mask: torch.Tensor | None, cnt: torch.Tensor | None = None, *,
+               router: ModuleRouter | None = None, r: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
     """The routed O projection of ``a [M, G cols]`` for ``M <= MAX_BATCH`` tokens, each over its own
     head groups (``mask [M, G]``): ``wide_out_rows`` on the axis-k ``cpu_proj`` projection ``o``.
-    Returns ``[M, N]`` in ``a``'s dtype, or None (``cnt`` and the rest as ``routed_ffn``)."""
+    Returns ``[M, N]`` in ``a``'s dtype, or None (``router``, ``r``, ``cnt`` and the rest as
+    ``routed_ffn``; ``r`` is ``[M, N]``)."""
     lib = library()
     M = a.shape[0]
     fmt = _proj_fmt(o)
     if lib is None or M > MAX_BATCH or fmt is None:
         return None
     G = o.K // o.g
-    m = _row_mask(mask, M, G)
+    keep, *rargs = _route_args(router, r, M, G, o.N)
+    m = torch.empty(M, G, dtype=torch.uint8) if router is not None else _row_mask(mask, M, G)
     cnt = _counters(cnt)
     af = a.to(torch.float32).contiguous()
     y = torch.empty(M, o.N, dtype=torch.float32)
     w, s = _proj_ptrs(o)
-    rc = lib.wide_out_rows(context(lib), torch.get_num_threads(), fmt, 0, w, s, o.N, o.g, G, M, af.data_ptr(),
-                           m.data_ptr(), y.data_ptr(), cnt.data_ptr())  # fmt: skip
+    rc = lib.wide_out_rows(context(lib), torch.get_num_threads(), fmt, 0, int(a.dtype == torch.bfloat16), w, s, o.N,
+                           o.g, G, M, af.data_ptr(), *rargs, m.data_ptr(), y.data_ptr(), cnt.data_ptr())  # fmt: skip
+    del keep
     return None if rc != 0 else y.to(a.dtype)
 
 

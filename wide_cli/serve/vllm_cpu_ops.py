@@ -123,9 +123,23 @@ def _vllm_gemm(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return linear.cpu_linear(x, linear.weight, None)
 
 
-def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
-    """``x [M, D]``, ``mask [M, G]`` bool -> ``[M, D]``: the FFN of op module ``op_id``."""
+def _ffn_cpu(x: torch.Tensor, r: torch.Tensor, op_id: int) -> torch.Tensor:
+    """``x [M, D]``, ``r [M, D]`` (what its router reads) -> ``[M, D]``: the routed FFN of op module
+    ``op_id``, stand-ins included. A step of at most ``NATIVE_M`` tokens is one native call
+    (router, projections and stand-ins); otherwise the router runs here and picks the path."""
     op = OP_MODULES[op_id]
+    M = x.shape[0]
+    if M <= NATIVE_M and (mr := op.router.module_router()) is not None:
+        y = cpu_native.routed_ffn(op.gu, op.down, x, None, NATIVE_COUNTS["ffn"], router=mr, r=r)
+        if y is not None:
+            STATS["ffn"]["dense"] += M * mr.weight.shape[0] * op.group_macs
+            return y
+    ex = op.router(r)
+    return op.router.add_standin(_ffn_masked(op, x, ex), ex)
+
+
+def _ffn_masked(op, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The FFN of ``x [M, D]`` over ``mask [M, G]`` bool (no stand-ins)."""
     M, G = mask.shape
     plan = None if M <= NATIVE_M else skip_plan(mask)
     if _native_step(plan, M, G):
@@ -150,13 +164,27 @@ def _ffn_cpu(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
     return cpu_proj.ffn_proj(x, op.gu, op.down, mask, plan)
 
 
-def _ffn_fake(x: torch.Tensor, mask: torch.Tensor, op_id: int) -> torch.Tensor:
+def _ffn_fake(x: torch.Tensor, r: torch.Tensor, op_id: int) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _out_cpu(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int) -> torch.Tensor:
-    """``o [M, K]``, ``mask [M, K / group_cols]`` bool -> ``[M, out_features]`` (``ops.gemm_k``)."""
+def _out_cpu(o: torch.Tensor, r: torch.Tensor, out_features: int, op_id: int) -> torch.Tensor:
+    """``o [M, K]``, ``r [M, out_features]`` (what its router reads) -> ``[M, out_features]``: the
+    routed O projection (``ops.gemm_k``) of op module ``op_id``, stand-ins included; paths as
+    ``_ffn_cpu``."""
     op = OP_MODULES[op_id]
+    M = o.shape[0]
+    if M <= NATIVE_M and (mr := op.router.module_router()) is not None:
+        y = cpu_native.routed_out(op.o, o, None, NATIVE_COUNTS["attention"], router=mr, r=r)
+        if y is not None:
+            STATS["attention"]["dense"] += M * mr.weight.shape[0] * op.group_cols * out_features
+            return y
+    ex = op.router(r)
+    return op.router.add_standin(_out_masked(op, o, ex, out_features), ex)
+
+
+def _out_masked(op, o: torch.Tensor, mask: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The O projection of ``o [M, K]`` over ``mask [M, K / group_cols]`` bool (no stand-ins)."""
     M, G = mask.shape
     plan = None if M <= NATIVE_M else skip_plan(mask)
     if _native_step(plan, M, G):
@@ -175,7 +203,7 @@ def _out_cpu(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int)
     return cpu_proj.gemm_k_proj(o, op.o, mask, None, plan)
 
 
-def _out_fake(o: torch.Tensor, mask: torch.Tensor, out_features: int, op_id: int) -> torch.Tensor:
+def _out_fake(o: torch.Tensor, r: torch.Tensor, out_features: int, op_id: int) -> torch.Tensor:
     return o.new_empty(o.shape[0], out_features)
 
 

@@ -84,19 +84,21 @@ def _cupy_ready() -> bool:
 
 @CustomOp.register("wide_routed_ffn")
 class WideRoutedFFN(CustomOp):
-    """Routed SwiGLU FFN of one decoder layer (this rank's shard).
+    """Routed SwiGLU FFN of one decoder layer (this rank's shard), with its router and stand-ins.
 
-    ``forward(x [M, D], mask [M, G_local] bool) -> [M, D]`` (the partial sum under tensor
-    parallel; the caller all-reduces). ``prepare`` takes the layer's loaded weights before vLLM's
+    ``forward(x [M, D], r [M, D]) -> [M, D]``: the router (``router``, a ``WideRouter``) decides
+    each token's groups from ``r``, the residual stream after the attention add; the skipped
+    groups' stand-ins are added (the partial sum under tensor parallel; the caller all-reduces). ``prepare`` takes the layer's loaded weights before vLLM's
     CPU linear layers repack them (and drop ``weight``): ``gate_up_proj`` ``[2 F_local, D]``
     (gate rows then up rows) and ``down_proj`` ``[D, F_local]``, and for ``forward_cpu`` the
     group-major ``runtime/cpu_proj.py`` projections instead (``gu``: per group its gate rows then
     its up rows; ``down``: reduction groups of ``g`` channels).
     """
 
-    def __init__(self, mlp: nn.Module, group_size: int):
+    def __init__(self, mlp: nn.Module, group_size: int, router: WideRouter):
         super().__init__(enforce_enable=True)
         self._mlp = (mlp,)  # a tuple: not a submodule (its weights are loaded under `mlp.`)
+        self._router = (router,)  # loaded under the layer's `router_ffn.`
         self.group_size = group_size
         self.group_macs = 0  # multiply-adds of one token's group (3 g D), set by prepare
         self.op_id = len(OP_MODULES)
@@ -117,35 +119,45 @@ class WideRoutedFFN(CustomOp):
         else:
             self.w_gate_up, self.w_down = w, wd
 
-    def forward_native(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    @property
+    def router(self) -> WideRouter:
+        return self._router[0]
+
+    def forward_native(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        ex = self.router(r)
         Fl = self.w_gate_up.shape[0] // 2
         gu = F.linear(x, self.w_gate_up)
         h = F.silu(gu[:, :Fl]) * gu[:, Fl:]
-        h = h * ops.expand_mask(mask, self.group_size).to(h.dtype)
-        return F.linear(h, self.w_down)
+        h = h * ops.expand_mask(ex, self.group_size).to(h.dtype)
+        return self.router.add_standin(F.linear(h, self.w_down), ex)
 
-    def forward_cpu(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return torch.ops.vllm.wide_ffn_cpu(x, mask, self.op_id)
+    def forward_cpu(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return torch.ops.vllm.wide_ffn_cpu(x, r, self.op_id)
 
-    def forward_cuda(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward_cuda(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         if not _cupy_ready():
-            return self.forward_native(x, mask)
+            return self.forward_native(x, r)
         from wide_cli.runtime import cupy_ops
 
+        ex = self.router(r)
         Fl = self.w_gate_up.shape[0] // 2
-        return cupy_ops.mlp(x, self.w_gate_up[:Fl], self.w_gate_up[Fl:], self.w_down, mask, self.group_size)
+        y = cupy_ops.mlp(x, self.w_gate_up[:Fl], self.w_gate_up[Fl:], self.w_down, ex, self.group_size)
+        return self.router.add_standin(y, ex)
 
 
 @CustomOp.register("wide_routed_out")
 class WideRoutedOut(CustomOp):
-    """Routed O projection: ``forward(o [M, H_local d], mask [M, G_local]) -> [M, D]`` where the
-    skipped head groups' channels contribute nothing (``ops.gemm_k``); the partial sum under
-    tensor parallel (the caller all-reduces and adds the bias once). ``prepare`` takes
+    """Routed O projection with its router and stand-ins: ``forward(o [M, H_local d], r [M, D]) ->
+    [M, D]`` where the router decides each token's head groups from ``r`` (the residual stream
+    entering the layer), the skipped groups' channels contribute nothing (``ops.gemm_k``) and their
+    stand-ins are added; the partial sum under tensor parallel (the caller all-reduces and adds the
+    bias once). ``prepare`` takes
     ``o_proj``'s loaded weight ``[D, H_local d]`` (vLLM's CPU linear drops it after loading)."""
 
-    def __init__(self, o_proj: nn.Module, group_cols: int):
+    def __init__(self, o_proj: nn.Module, group_cols: int, router: WideRouter):
         super().__init__(enforce_enable=True)
         self._o = (o_proj,)
+        self._router = (router,)
         self.group_cols = group_cols
         self.op_id = len(OP_MODULES)
         OP_MODULES.append(self)
@@ -157,18 +169,25 @@ class WideRoutedOut(CustomOp):
         if self._forward_method == self.forward_cpu:
             self.o = cpu_proj.float_proj(self.w_o, "k", self.group_cols)
 
-    def forward_native(self, o: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return F.linear(o * ops.expand_mask(mask, self.group_cols).to(o.dtype), self.w_o)
+    @property
+    def router(self) -> WideRouter:
+        return self._router[0]
 
-    def forward_cpu(self, o: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return torch.ops.vllm.wide_out_cpu(o, mask, self.w_o.shape[0], self.op_id)
+    def forward_native(self, o: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        ex = self.router(r)
+        y = F.linear(o * ops.expand_mask(ex, self.group_cols).to(o.dtype), self.w_o)
+        return self.router.add_standin(y, ex)
 
-    def forward_cuda(self, o: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward_cpu(self, o: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return torch.ops.vllm.wide_out_cpu(o, r, self.w_o.shape[0], self.op_id)
+
+    def forward_cuda(self, o: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         if not _cupy_ready():
-            return self.forward_native(o, mask)
+            return self.forward_native(o, r)
         from wide_cli.runtime import cupy_ops
 
-        return cupy_ops.gemm_k(o, self.w_o, mask, self.group_cols)
+        ex = self.router(r)
+        return self.router.add_standin(cupy_ops.gemm_k(o, self.w_o, ex, self.group_cols), ex)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,6 +230,7 @@ class WideRouter(nn.Module):
         wc, bc = self.compressor.weight.double(), self.compressor.bias.double()
         wr, br = self.router.weight.double(), self.router.bias.double()
         wd, bd = wr[0::2] - wr[1::2], br[0::2] - br[1::2]
+        self._standin_local = None  # re-read from the loaded stand-ins on next use
         self.fold_w = (wd @ wc).float()[self.lo : self.hi].contiguous()
         self.fold_b = (wd @ bc + bd).float()[self.lo : self.hi].contiguous()
 
@@ -221,6 +241,17 @@ class WideRouter(nn.Module):
         else:
             ex = F.linear(x.float(), self.fold_w, self.fold_b) >= 0
         return ex | self.force_on
+
+    def module_router(self):
+        """This rank's folded router, forced flag and stand-ins for the native kernels to decide and
+        add themselves (``cpu_native.ModuleRouter``), or None for a static mask."""
+        if self.static:
+            return None
+        from wide_cli.runtime.cpu_native import ModuleRouter
+
+        if getattr(self, "_standin_local", None) is None and getattr(self, "standin", None) is not None:
+            self._standin_local = self.standin.detach()[self.lo : self.hi].float().contiguous()
+        return ModuleRouter(self.fold_w, self.fold_b, bool(self.force_on), getattr(self, "_standin_local", None))
 
     def add_standin(self, out: torch.Tensor, ex: torch.Tensor) -> torch.Tensor:
         """``out [M, D] + (~ex) @ standin[lo:hi]`` (fp32 product, as ``routing.router.apply_standin``),
@@ -236,8 +267,9 @@ class WideRouter(nn.Module):
 # the routed decoder layer
 
 
-def _routed_attention(layer, positions: torch.Tensor, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """vLLM's attention forward (Llama/Mistral/Qwen2/Qwen3) with the O projection routed."""
+def _routed_attention(layer, positions: torch.Tensor, h: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """vLLM's attention forward (Llama/Mistral/Qwen2/Qwen3) with the O projection routed by the
+    attention router on ``r``, the residual stream entering the layer."""
     attn = layer.self_attn
     qkv, _ = attn.qkv_proj(h)
     q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
@@ -247,7 +279,7 @@ def _routed_attention(layer, positions: torch.Tensor, h: torch.Tensor, mask: tor
         k = attn.k_norm(k.view(T, -1, attn.head_dim)).view(k.shape)
     q, k = attn.rotary_emb(positions, q, k)
     o = attn.attn(q, k, v)
-    out = layer.router_attention.add_standin(layer.wide_out(o, mask), mask)
+    out = layer.wide_out(o, r)
     if layer.wide_tp > 1:
         out = tensor_model_parallel_all_reduce(out)
     if attn.o_proj.bias is not None:
@@ -267,13 +299,12 @@ def _routed_layer_forward(self, positions, hidden_states, residual, *args, **kwa
     else:
         hidden_states, residual = self.input_layernorm(hidden_states, residual)
     if self.router_attention is not None:
-        hidden_states = _routed_attention(self, positions, hidden_states, self.router_attention(residual))
+        hidden_states = _routed_attention(self, positions, hidden_states, residual)
     else:
         hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
     hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
     if self.router_ffn is not None:
-        ex = self.router_ffn(residual)
-        hidden_states = self.router_ffn.add_standin(self.wide_ffn(hidden_states, ex), ex)
+        hidden_states = self.wide_ffn(hidden_states, residual)
         if self.wide_tp > 1:
             hidden_states = tensor_model_parallel_all_reduce(hidden_states)
     else:
@@ -369,8 +400,11 @@ def _attach_routing(model: nn.Module, vllm_config) -> None:
             WideRouter(D, r, Gf, rank * Gf // tp, (rank + 1) * Gf // tp, static=static, mode=mode, standin=standin)
             if use_f else None
         )  # fmt: skip
-        layer.wide_out = WideRoutedOut(layer.self_attn.o_proj, ags * layer.self_attn.head_dim) if use_a else None
-        layer.wide_ffn = WideRoutedFFN(layer.mlp, fgs) if use_f else None
+        layer.wide_out = (
+            WideRoutedOut(layer.self_attn.o_proj, ags * layer.self_attn.head_dim, layer.router_attention)
+            if use_a else None
+        )  # fmt: skip
+        layer.wide_ffn = WideRoutedFFN(layer.mlp, fgs, layer.router_ffn) if use_f else None
     register_ops()
 
 
