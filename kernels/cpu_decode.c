@@ -65,7 +65,7 @@
 #define WIDE_I4_SIMD 1 /* the int4 x int8 kernel (32-byte vectors; vpdpbusd where AVX512-VNNI/VL is) */
 #endif
 
-#define WIDE_DECODE_ABI 9
+#define WIDE_DECODE_ABI 10
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_I4 = 3 };
 /* The step's counters (cnt[]): executed weight, attention and router multiply-adds, weight bytes
@@ -1997,6 +1997,38 @@ static int64_t standin_rows(const float *st, const uint8_t *mask, int64_t G, int
         add_standins(st, mask + b * G, G, N, bf, y + b * N, tmp);
     }
     free(tmp);
+    return 0;
+}
+
+/* The router of one module for M <= 64 tokens whose projections run elsewhere (the vLLM plugin's
+ * larger steps): mask [M][G] as route_rows (rw NULL: the caller's mask is kept); with stand-ins
+ * (st [G][N] fp32) sums [M][N] = each token's skipped groups' stand-ins summed (fp32, zeros when
+ * it skips none). info[0] = groups some token executes, info[1] = executed (token, group) pairs.
+ * Returns 0, or -1 for bad arguments. */
+int64_t wide_route_rows(const float *rw, const float *rb, int64_t force, const float *st, int64_t G, int64_t D,
+                        int64_t N, int64_t M, const float *r, uint8_t *mask, float *sums, int64_t *info,
+                        int64_t *cnt) {
+    if (G > 4096 || M < 1 || M > WIDE_MAX_BATCH) return -1;
+    route_rows(rw, rb, force, G, D, M, r, mask, cnt);
+    int64_t uni = 0, pairs = 0;
+    for (int64_t j = 0; j < G; j++) {
+        int any = 0;
+        for (int64_t b = 0; b < M; b++) any |= mask[b * G + j] != 0;
+        uni += any;
+    }
+    for (int64_t b = 0; b < M; b++) {
+        float *y = sums ? sums + b * N : NULL;
+        if (y) memset(y, 0, (size_t)N * sizeof(float));
+        for (int64_t j = 0; j < G; j++) {
+            if (mask[b * G + j]) {
+                pairs++;
+            } else if (st != NULL && y != NULL) {
+                for (int64_t i = 0; i < N; i++) y[i] += st[j * N + i];
+            }
+        }
+    }
+    info[0] = uni;
+    info[1] = pairs;
     return 0;
 }
 

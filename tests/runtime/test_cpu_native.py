@@ -512,6 +512,31 @@ def test_routed_module_with_its_router_and_standins_equals_the_torch_composition
         cpu_native.routed_ffn(gu, down, x, None, router=cpu_native.ModuleRouter(rw, rb, False, None), r=r[:, :8])
 
 
+@pytest.mark.parametrize("M", [1, 7, 16])
+def test_route_rows_gives_the_routers_decisions_and_standin_sums(M):
+    """``cpu_native.route_rows`` (the plugin's larger decode steps decide natively, then run vLLM's
+    kernels): the folded router's decisions, each token's skipped stand-ins summed, the union of
+    executed groups and the executed pairs."""
+    g = torch.Generator().manual_seed(20 + M)
+    G, D, N = 12, 64, 48
+    r = torch.randn(M, D, generator=g)
+    rw, rb = torch.randn(G, D, generator=g) * 0.2, torch.randn(G, generator=g) * 0.2 - 0.3
+    st = torch.randn(G, N, generator=g)
+    for force, standin in ((False, st), (False, None), (True, st)):
+        ex = (torch.nn.functional.linear(r, rw, rb) >= 0) | force
+        cnt = torch.zeros(len(cpu_native.COUNTERS), dtype=torch.int64)
+        mask, sums, union, pairs = cpu_native.route_rows(cpu_native.ModuleRouter(rw, rb, force, standin), r, N, cnt)
+        assert mask.dtype == torch.uint8 and torch.equal(mask.bool(), ex)
+        assert union == int(ex.any(0).sum()) and pairs == int(ex.sum())
+        assert int(cnt[2]) == (0 if force else M * G * D)
+        if standin is None:
+            assert sums is None
+        else:
+            torch.testing.assert_close(sums, (~ex).float() @ st, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="stand-ins"):
+        cpu_native.route_rows(cpu_native.ModuleRouter(rw, rb, False, st), r, N + 1)
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "bf16"])
 @pytest.mark.parametrize("M", [2, 4, 5, 16])
 def test_routed_rows_in_a_batch_equal_each_row_alone(fmt, M):

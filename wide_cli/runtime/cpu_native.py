@@ -41,7 +41,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "cpu_decode.c"
-ABI = 9
+ABI = 10
 #: Rows of one native step (the C WIDE_MAX_BATCH: a group's rows are one 64-bit set).
 MAX_BATCH = 64
 FMT_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -193,6 +193,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.wide_out_rows.restype = _I64
     lib.wide_out_rows.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P,
                                   _P, _P, _P]  # fmt: skip
+    lib.wide_route_rows.restype = _I64
+    lib.wide_route_rows.argtypes = [_P, _P, _I64, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P]
     lib.wide_decode_batch.restype = _I64
     lib.wide_decode_batch.argtypes = [_P, ctypes.POINTER(_WModel), _I64, _P, _P, _I64, _P, _P, _P, _P]
     lib.wide_gemm.restype = _I64
@@ -350,6 +352,34 @@ def _route_args(router: ModuleRouter | None, r: torch.Tensor | None, M: int, G: 
     rf = r.to(torch.float32).contiguous()
     st = router.standin
     return rf, rf.data_ptr(), router.weight.data_ptr(), router.bias.data_ptr(), int(router.force), _ptr(st)
+
+
+def route_rows(router: ModuleRouter, r: torch.Tensor, n_out: int, cnt: torch.Tensor | None = None):
+    """One routed module's decisions for ``M <= MAX_BATCH`` tokens whose projections run elsewhere,
+    in one native call: ``(mask [M, G] uint8, sums [M, n_out] fp32 or None, union, pairs)`` where
+    ``sums`` holds each token's skipped groups' stand-ins summed (None without stand-ins),
+    ``union`` counts the groups some token executes and ``pairs`` the executed (token, group)
+    pairs. ``r [M, D]``: what the router reads. Returns None when the library cannot run it.
+
+    Raises:
+        ValueError: ``r`` or the router's shapes do not fit.
+    """
+    lib = library()
+    M = r.shape[0]
+    G, D = router.weight.shape
+    if lib is None or not 1 <= M <= MAX_BATCH or G > 4096:
+        return None
+    keep, rp, rw, rb, force, st = _route_args(router, r, M, G, D)
+    if router.standin is not None and tuple(router.standin.shape) != (G, n_out):
+        raise ValueError(f"stand-ins {tuple(router.standin.shape)} do not fit {G} groups x {n_out} outputs")
+    mask = torch.empty(M, G, dtype=torch.uint8)
+    sums = torch.empty(M, n_out, dtype=torch.float32) if st is not None else None
+    info = torch.zeros(2, dtype=torch.int64)
+    cnt = _counters(cnt)
+    rc = lib.wide_route_rows(rw, rb, force, st, G, D, n_out, M, rp, mask.data_ptr(), _ptr(sums), info.data_ptr(),
+                             cnt.data_ptr())  # fmt: skip
+    del keep
+    return None if rc != 0 else (mask, sums, int(info[0]), int(info[1]))
 
 
 def routed_ffn(gu, down, x: torch.Tensor, mask: torch.Tensor | None, cnt: torch.Tensor | None = None, *,

@@ -2,13 +2,17 @@
 ``wide_out_cpu`` run inside vLLM's compiled graph (``WideRoutedFFN`` / ``WideRoutedOut.forward_cpu``
 in ``vllm_models.py``), and the multiply-adds they executed (``stats()``).
 
-A step of at most ``NATIVE_M`` tokens runs on the runtime's native kernels whatever its mask
-(``cpu_native.routed_ffn`` / ``routed_out``: each token over its own groups, a group's weights read
+Each op takes its module's input and the residual stream its router reads, and returns the
+module's output with the skipped groups' stand-ins added, so that the router, the projections and
+the stand-ins of one module are one opaque call rather than several small ops of the graph.
+A step of at most ``NATIVE_M`` tokens is one native call (``cpu_native.routed_ffn`` /
+``routed_out`` with the module's router: each token over its own groups, a group's weights read
 once for all the tokens that execute it, in one forward stream, so with every group on they read
-the weights at least as fast as vLLM's dense kernels; the mask is not read in Python first). A
-step of up to ``SMALL_M`` tokens runs on the same kernels when the union of its tokens' groups is
-at most half the groups (``NATIVE_UNION_SHARE``), else on vLLM's own prepacked dense kernels, then
-masked. A larger step gathers each group's executing tokens on the ``cpu`` backend's projections
+the weights at least as fast as vLLM's dense kernels). A step of up to ``SMALL_M`` tokens decides
+natively (``cpu_native.route_rows``: decisions and stand-in sums in one call), then runs on the
+same kernels when the union of its tokens' groups is at most half the groups
+(``NATIVE_UNION_SHARE``), else on vLLM's own prepacked dense kernels, then masked. A larger step
+routes in PyTorch and gathers each group's executing tokens on the ``cpu`` backend's projections
 (``runtime/cpu_proj.py``), or, when its tokens execute most (token, group) pairs and every group
 (``cpu_plan.skip_plan``), runs vLLM's dense kernels and masks.
 Needs the serving environment (vLLM).
@@ -129,13 +133,40 @@ def _ffn_cpu(x: torch.Tensor, r: torch.Tensor, op_id: int) -> torch.Tensor:
     (router, projections and stand-ins); otherwise the router runs here and picks the path."""
     op = OP_MODULES[op_id]
     M = x.shape[0]
-    if M <= NATIVE_M and (mr := op.router.module_router()) is not None:
+    mr = op.router.module_router() if M <= SMALL_M else None
+    if mr is not None and M <= NATIVE_M:
         y = cpu_native.routed_ffn(op.gu, op.down, x, None, NATIVE_COUNTS["ffn"], router=mr, r=r)
         if y is not None:
             STATS["ffn"]["dense"] += M * mr.weight.shape[0] * op.group_macs
             return y
+    if mr is not None and (routed := cpu_native.route_rows(mr, r, x.shape[1], NATIVE_COUNTS["ffn"])) is not None:
+        mask, sums, union, pairs = routed  # one native call: decisions and stand-in sums
+        y = _ffn_small(op, x, mask, union, pairs)
+        return y if sums is None or pairs == mask.numel() else y.add_(sums.to(y.dtype))
     ex = op.router(r)
     return op.router.add_standin(_ffn_masked(op, x, ex), ex)
+
+
+def _ffn_small(op, x: torch.Tensor, mask: torch.Tensor, union: int, pairs: int) -> torch.Tensor:
+    """The FFN of ``NATIVE_M < M <= SMALL_M`` tokens over ``mask [M, G]`` uint8 (``union`` groups
+    executed by some token, ``pairs`` executed pairs): natively when the union is at most
+    ``NATIVE_UNION_SHARE`` of the groups, else vLLM's dense kernels and one broadcast multiply."""
+    M, G = mask.shape
+    mlp = op._mlp[0]
+    if union <= NATIVE_UNION_SHARE * G or not hasattr(mlp.down_proj, "cpu_linear"):
+        y = cpu_native.routed_ffn(op.gu, op.down, x, mask, NATIVE_COUNTS["ffn"])
+        if y is not None:
+            STATS["ffn"]["dense"] += M * G * op.group_macs
+            return y
+        return _ffn_masked(op, x, mask.bool())
+    STATS["ffn"]["executed"] += M * G * op.group_macs
+    STATS["ffn"]["dense"] += M * G * op.group_macs
+    gu = _vllm_gemm(mlp.gate_up_proj, x)
+    Fl = gu.shape[1] // 2
+    h = F.silu(gu[:, :Fl]) * gu[:, Fl:]
+    if pairs < M * G:  # zero the skipped (token, group) pairs
+        h.view(M, G, -1).mul_(mask.unsqueeze(-1))
+    return _vllm_gemm(mlp.down_proj, h)
 
 
 def _ffn_masked(op, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -174,13 +205,37 @@ def _out_cpu(o: torch.Tensor, r: torch.Tensor, out_features: int, op_id: int) ->
     ``_ffn_cpu``."""
     op = OP_MODULES[op_id]
     M = o.shape[0]
-    if M <= NATIVE_M and (mr := op.router.module_router()) is not None:
+    mr = op.router.module_router() if M <= SMALL_M else None
+    if mr is not None and M <= NATIVE_M:
         y = cpu_native.routed_out(op.o, o, None, NATIVE_COUNTS["attention"], router=mr, r=r)
         if y is not None:
             STATS["attention"]["dense"] += M * mr.weight.shape[0] * op.group_cols * out_features
             return y
+    if mr is not None and (routed := cpu_native.route_rows(mr, r, out_features, NATIVE_COUNTS["attention"])):
+        mask, sums, union, pairs = routed
+        y = _out_small(op, o, mask, union, pairs, out_features)
+        return y if sums is None or pairs == mask.numel() else y.add_(sums.to(y.dtype))
     ex = op.router(r)
     return op.router.add_standin(_out_masked(op, o, ex, out_features), ex)
+
+
+def _out_small(op, o: torch.Tensor, mask: torch.Tensor, union: int, pairs: int, out_features: int) -> torch.Tensor:
+    """The O projection of ``NATIVE_M < M <= SMALL_M`` tokens over ``mask [M, G]`` uint8 (paths as
+    ``_ffn_small``)."""
+    M, G = mask.shape
+    o_proj = op._o[0]
+    macs = M * G * op.group_cols * out_features
+    if union <= NATIVE_UNION_SHARE * G or not hasattr(o_proj, "cpu_linear"):
+        y = cpu_native.routed_out(op.o, o, mask, NATIVE_COUNTS["attention"])
+        if y is not None:
+            STATS["attention"]["dense"] += macs
+            return y
+        return _out_masked(op, o, mask.bool(), out_features)
+    STATS["attention"]["executed"] += macs
+    STATS["attention"]["dense"] += macs
+    if pairs < M * G:
+        o = (o.reshape(M, G, -1) * mask.unsqueeze(-1)).reshape(M, -1)
+    return _vllm_gemm(o_proj, o)
 
 
 def _out_masked(op, o: torch.Tensor, mask: torch.Tensor, out_features: int) -> torch.Tensor:
