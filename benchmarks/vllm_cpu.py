@@ -224,9 +224,10 @@ def macs_share(stats: dict, cfg: dict) -> dict:
 
 PATHS = """\
 Which paths skip work: `forward_cpu` (what ran here) executes only the active groups of the O
-projection and of the FFN (gate/up/down), behind an opaque op: a decode step of <= 4 tokens runs
+projection and of the FFN (gate/up/down), behind one opaque op per module that also runs its
+router and adds its stand-ins: a decode step of <= 4 tokens is one native call that decides and runs
 each token over its own groups on the runtime's native decode kernels (a group's weights read once
-for all the tokens that execute it); a step of 5-16 tokens does so when the union of its tokens'
+for all the tokens that execute it); a step of 5-16 tokens decides natively and runs those kernels when the union of its tokens'
 groups is at most half the groups, else it runs vLLM's own dense kernels and masks (there oneDNN's
 GEMM, which blocks all the tokens together, is faster); a larger step (prefill) gathers each group's executing tokens on the `cpu` backend's
 projections (`runtime/cpu_proj.py`), or, when its tokens execute most (token, group) pairs and
