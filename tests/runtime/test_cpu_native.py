@@ -489,7 +489,7 @@ def test_routed_module_with_its_router_and_standins_equals_the_torch_composition
     a = torch.randn(M, H * d, generator=g).to(dtype)
     for force in (False, True):
         for standin in (True, False):
-            for proj, G, inp, call in ((down, Gf, x, "ffn"), (o, Go, a, "out")):
+            for G, inp, call in ((Gf, x, "ffn"), (Go, a, "out")):
                 rw, rb = torch.randn(G, D, generator=g) * 0.2, torch.randn(G, generator=g) * 0.2
                 st = torch.randn(G, D, generator=g) * 0.5 if standin else None
                 router = cpu_native.ModuleRouter(rw, rb, force, st)
