@@ -19,7 +19,7 @@ import warnings
 import pytest
 import torch
 
-from wide_cli.runtime import cpu_native
+from wide_cli.runtime import cpu_native, cpu_rows
 from wide_cli.runtime.engine import Runtime
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None,
@@ -418,7 +418,7 @@ def test_padded_rows_in_a_batch_step_compute_nothing(routed_model):
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("M", [1, 3, 16])
 def test_routed_ffn_and_out_rows_match_the_masking_oracle(fmt, M):
-    """``cpu_native.routed_ffn`` / ``routed_out`` (each token over its own groups, what the vLLM
+    """``cpu_rows.routed_ffn`` / ``routed_out`` (each token over its own groups, what the vLLM
     plugin's decode steps run) against ``ops``' masking definitions on the same weights: random
     masks, all-on and all-off rows among them."""
     from test_weight_formats import rel_atol
@@ -445,8 +445,8 @@ def test_routed_ffn_and_out_rows_match_the_masking_oracle(fmt, M):
     down = Proj(w_down.to(dtype), "k", proj_fmt, dtype, "cpu", Counter(), fg)
     o = Proj(w_o.to(dtype), "k", proj_fmt, dtype, "cpu", Counter(), ag * d)
     cf, co = (torch.full((len(cpu_native.COUNTERS),), 5, dtype=torch.int64) for _ in range(2))
-    got_ffn = cpu_native.routed_ffn(gu, down, x.to(dtype), mf, cf)
-    got_out = cpu_native.routed_out(o, a.to(dtype), mo, co)
+    got_ffn = cpu_rows.routed_ffn(gu, down, x.to(dtype), mf, cf)
+    got_out = cpu_rows.routed_out(o, a.to(dtype), mo, co)
     # the bool masks are read as they are, and the caller's counters are added to: each token's
     # own groups' multiply-adds
     assert int(cf[0]) == 5 + int(mf.sum()) * 3 * fg * D and int(co[0]) == 5 + int(mo.sum()) * ag * d * D
@@ -492,15 +492,15 @@ def test_routed_module_with_its_router_and_standins_equals_the_torch_composition
             for G, inp, call in ((Gf, x, "ffn"), (Go, a, "out")):
                 rw, rb = torch.randn(G, D, generator=g) * 0.2, torch.randn(G, generator=g) * 0.2
                 st = torch.randn(G, D, generator=g) * 0.5 if standin else None
-                router = cpu_native.ModuleRouter(rw, rb, force, st)
+                router = cpu_rows.ModuleRouter(rw, rb, force, st)
                 ex = (torch.nn.functional.linear(r.float(), rw, rb) >= 0) | force
                 cnt = torch.zeros(len(cpu_native.COUNTERS), dtype=torch.int64)
                 if call == "ffn":
-                    got = cpu_native.routed_ffn(gu, down, inp, None, cnt, router=router, r=r)
-                    want = cpu_native.routed_ffn(gu, down, inp, ex)
+                    got = cpu_rows.routed_ffn(gu, down, inp, None, cnt, router=router, r=r)
+                    want = cpu_rows.routed_ffn(gu, down, inp, ex)
                 else:
-                    got = cpu_native.routed_out(o, inp, None, cnt, router=router, r=r)
-                    want = cpu_native.routed_out(o, inp, ex)
+                    got = cpu_rows.routed_out(o, inp, None, cnt, router=router, r=r)
+                    want = cpu_rows.routed_out(o, inp, ex)
                 if st is not None:
                     want = want + ((~ex).float() @ st).to(dtype)
                 assert got.dtype == dtype and got.shape == want.shape
@@ -509,12 +509,12 @@ def test_routed_module_with_its_router_and_standins_equals_the_torch_composition
                 macs = (3 * fg * D) if call == "ffn" else (ag * d * D)
                 assert int(cnt[0]) == int(ex.sum()) * macs  # the decisions the call took
     with pytest.raises(ValueError, match="router input"):
-        cpu_native.routed_ffn(gu, down, x, None, router=cpu_native.ModuleRouter(rw, rb, False, None), r=r[:, :8])
+        cpu_rows.routed_ffn(gu, down, x, None, router=cpu_rows.ModuleRouter(rw, rb, False, None), r=r[:, :8])
 
 
 @pytest.mark.parametrize("M", [1, 7, 16])
 def test_route_rows_gives_the_routers_decisions_and_standin_sums(M):
-    """``cpu_native.route_rows`` (the plugin's larger decode steps decide natively, then run vLLM's
+    """``cpu_rows.route_rows`` (the plugin's larger decode steps decide natively, then run vLLM's
     kernels): the folded router's decisions, each token's skipped stand-ins summed, the union of
     executed groups and the executed pairs."""
     g = torch.Generator().manual_seed(20 + M)
@@ -525,7 +525,7 @@ def test_route_rows_gives_the_routers_decisions_and_standin_sums(M):
     for force, standin in ((False, st), (False, None), (True, st)):
         ex = (torch.nn.functional.linear(r, rw, rb) >= 0) | force
         cnt = torch.zeros(len(cpu_native.COUNTERS), dtype=torch.int64)
-        mask, sums, union, pairs = cpu_native.route_rows(cpu_native.ModuleRouter(rw, rb, force, standin), r, N, cnt)
+        mask, sums, union, pairs = cpu_rows.route_rows(cpu_rows.ModuleRouter(rw, rb, force, standin), r, N, cnt)
         assert mask.dtype == torch.uint8 and torch.equal(mask.bool(), ex)
         assert union == int(ex.any(0).sum()) and pairs == int(ex.sum())
         assert int(cnt[2]) == (0 if force else M * G * D)
@@ -534,7 +534,7 @@ def test_route_rows_gives_the_routers_decisions_and_standin_sums(M):
         else:
             torch.testing.assert_close(sums, (~ex).float() @ st, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="stand-ins"):
-        cpu_native.route_rows(cpu_native.ModuleRouter(rw, rb, False, st), r, N + 1)
+        cpu_rows.route_rows(cpu_rows.ModuleRouter(rw, rb, False, st), r, N + 1)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16"])
@@ -561,11 +561,11 @@ def test_routed_rows_in_a_batch_equal_each_row_alone(fmt, M):
     mf = torch.rand(M, F // fg, generator=g) < 0.7
     mo = torch.rand(M, GA, generator=g) < 0.7
     mf[0], mo[0] = True, True  # one token executes everything
-    ffn = cpu_native.routed_ffn(gu, down, x, mf)
-    out = cpu_native.routed_out(o, a, mo)
+    ffn = cpu_rows.routed_ffn(gu, down, x, mf)
+    out = cpu_rows.routed_out(o, a, mo)
     for i in range(M):
-        assert torch.equal(ffn[i : i + 1], cpu_native.routed_ffn(gu, down, x[i : i + 1], mf[i : i + 1])), i
-        assert torch.equal(out[i : i + 1], cpu_native.routed_out(o, a[i : i + 1], mo[i : i + 1])), i
+        assert torch.equal(ffn[i : i + 1], cpu_rows.routed_ffn(gu, down, x[i : i + 1], mf[i : i + 1])), i
+        assert torch.equal(out[i : i + 1], cpu_rows.routed_out(o, a[i : i + 1], mo[i : i + 1])), i
 
 
 def test_routed_rows_take_any_mask_layout_and_refuse_bad_shapes():
@@ -582,13 +582,13 @@ def test_routed_rows_take_any_mask_layout_and_refuse_bad_shapes():
     down = Proj(torch.randn(D, F, generator=g), "k", "float", torch.float32, "cpu", Counter(), fg)
     x = torch.randn(2, D, generator=g)
     cnt = torch.zeros(len(cpu_native.COUNTERS), dtype=torch.int64)
-    y = cpu_native.routed_ffn(gu, down, x[:1], torch.zeros(1, F // fg, dtype=torch.bool), cnt)
+    y = cpu_rows.routed_ffn(gu, down, x[:1], torch.zeros(1, F // fg, dtype=torch.bool), cnt)
     assert y.shape == (1, D) and not y.any() and not cnt.any()
     mask = torch.rand(F // fg, 2, generator=g) < 0.5  # transposed below: not contiguous
     assert not mask.t().is_contiguous()
-    torch.testing.assert_close(cpu_native.routed_ffn(gu, down, x, mask.t()),
-                               cpu_native.routed_ffn(gu, down, x, mask.t().contiguous()), atol=0, rtol=0)  # fmt: skip
+    torch.testing.assert_close(cpu_rows.routed_ffn(gu, down, x, mask.t()),
+                               cpu_rows.routed_ffn(gu, down, x, mask.t().contiguous()), atol=0, rtol=0)  # fmt: skip
     with pytest.raises(ValueError, match=r"mask of shape \(2, 4\), expected \(2, 8\)"):
-        cpu_native.routed_ffn(gu, down, x, torch.ones(2, 4, dtype=torch.bool))
+        cpu_rows.routed_ffn(gu, down, x, torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="counters must be a contiguous CPU int64 tensor of 4"):
-        cpu_native.routed_ffn(gu, down, x, mask.t(), torch.zeros(4, dtype=torch.int32))
+        cpu_rows.routed_ffn(gu, down, x, mask.t(), torch.zeros(4, dtype=torch.int32))

@@ -5,11 +5,11 @@ in ``vllm_models.py``), and the multiply-adds they executed (``stats()``).
 Each op takes its module's input and the residual stream its router reads, and returns the
 module's output with the skipped groups' stand-ins added, so that the router, the projections and
 the stand-ins of one module are one opaque call rather than several small ops of the graph.
-A step of at most ``NATIVE_M`` tokens is one native call (``cpu_native.routed_ffn`` /
+A step of at most ``NATIVE_M`` tokens is one native call (``cpu_rows.routed_ffn`` /
 ``routed_out`` with the module's router: each token over its own groups, a group's weights read
 once for all the tokens that execute it, in one forward stream, so with every group on they read
 the weights at least as fast as vLLM's dense kernels). A step of up to ``SMALL_M`` tokens decides
-natively (``cpu_native.route_rows``: decisions and stand-in sums in one call), then runs on the
+natively (``cpu_rows.route_rows``: decisions and stand-in sums in one call), then runs on the
 same kernels when the union of its tokens' groups is at most half the groups
 (``NATIVE_UNION_SHARE``), else on vLLM's own prepacked dense kernels, then masked. A larger step
 routes in PyTorch and gathers each group's executing tokens on the ``cpu`` backend's projections
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from wide_cli.runtime import cpu_native, cpu_proj
+from wide_cli.runtime import cpu_native, cpu_proj, cpu_rows
 from wide_cli.runtime.cpu_plan import SMALL_M, skip_plan
 
 #: multiply-adds of the routed projections: ``executed`` by the PyTorch paths, ``dense`` for the
@@ -135,11 +135,11 @@ def _ffn_cpu(x: torch.Tensor, r: torch.Tensor, op_id: int) -> torch.Tensor:
     M = x.shape[0]
     mr = op.router.module_router() if M <= SMALL_M else None
     if mr is not None and M <= NATIVE_M:
-        y = cpu_native.routed_ffn(op.gu, op.down, x, None, NATIVE_COUNTS["ffn"], router=mr, r=r)
+        y = cpu_rows.routed_ffn(op.gu, op.down, x, None, NATIVE_COUNTS["ffn"], router=mr, r=r)
         if y is not None:
             STATS["ffn"]["dense"] += M * mr.weight.shape[0] * op.group_macs
             return y
-    if mr is not None and (routed := cpu_native.route_rows(mr, r, x.shape[1], NATIVE_COUNTS["ffn"])) is not None:
+    if mr is not None and (routed := cpu_rows.route_rows(mr, r, x.shape[1], NATIVE_COUNTS["ffn"])) is not None:
         mask, sums, union, pairs = routed  # one native call: decisions and stand-in sums
         y = _ffn_small(op, x, mask, union, pairs)
         return y if sums is None or pairs == mask.numel() else y.add_(sums.to(y.dtype))
@@ -154,7 +154,7 @@ def _ffn_small(op, x: torch.Tensor, mask: torch.Tensor, union: int, pairs: int) 
     M, G = mask.shape
     mlp = op._mlp[0]
     if union <= NATIVE_UNION_SHARE * G or not hasattr(mlp.down_proj, "cpu_linear"):
-        y = cpu_native.routed_ffn(op.gu, op.down, x, mask, NATIVE_COUNTS["ffn"])
+        y = cpu_rows.routed_ffn(op.gu, op.down, x, mask, NATIVE_COUNTS["ffn"])
         if y is not None:
             STATS["ffn"]["dense"] += M * G * op.group_macs
             return y
@@ -177,7 +177,7 @@ def _ffn_masked(op, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # a decode step: each token over its own groups, a group's weights read once for all
         # the tokens that execute it (the runtime's native step kernels; they count what they
         # execute)
-        y = cpu_native.routed_ffn(op.gu, op.down, x, mask, NATIVE_COUNTS["ffn"])
+        y = cpu_rows.routed_ffn(op.gu, op.down, x, mask, NATIVE_COUNTS["ffn"])
         if y is not None:
             STATS["ffn"]["dense"] += M * G * op.group_macs
             return y
@@ -207,11 +207,11 @@ def _out_cpu(o: torch.Tensor, r: torch.Tensor, out_features: int, op_id: int) ->
     M = o.shape[0]
     mr = op.router.module_router() if M <= SMALL_M else None
     if mr is not None and M <= NATIVE_M:
-        y = cpu_native.routed_out(op.o, o, None, NATIVE_COUNTS["attention"], router=mr, r=r)
+        y = cpu_rows.routed_out(op.o, o, None, NATIVE_COUNTS["attention"], router=mr, r=r)
         if y is not None:
             STATS["attention"]["dense"] += M * mr.weight.shape[0] * op.group_cols * out_features
             return y
-    if mr is not None and (routed := cpu_native.route_rows(mr, r, out_features, NATIVE_COUNTS["attention"])):
+    if mr is not None and (routed := cpu_rows.route_rows(mr, r, out_features, NATIVE_COUNTS["attention"])):
         mask, sums, union, pairs = routed
         y = _out_small(op, o, mask, union, pairs, out_features)
         return y if sums is None or pairs == mask.numel() else y.add_(sums.to(y.dtype))
@@ -226,7 +226,7 @@ def _out_small(op, o: torch.Tensor, mask: torch.Tensor, union: int, pairs: int, 
     o_proj = op._o[0]
     macs = M * G * op.group_cols * out_features
     if union <= NATIVE_UNION_SHARE * G or not hasattr(o_proj, "cpu_linear"):
-        y = cpu_native.routed_out(op.o, o, mask, NATIVE_COUNTS["attention"])
+        y = cpu_rows.routed_out(op.o, o, mask, NATIVE_COUNTS["attention"])
         if y is not None:
             STATS["attention"]["dense"] += macs
             return y
@@ -243,7 +243,7 @@ def _out_masked(op, o: torch.Tensor, mask: torch.Tensor, out_features: int) -> t
     M, G = mask.shape
     plan = None if M <= NATIVE_M else skip_plan(mask)
     if _native_step(plan, M, G):
-        y = cpu_native.routed_out(op.o, o, mask, NATIVE_COUNTS["attention"])
+        y = cpu_rows.routed_out(op.o, o, mask, NATIVE_COUNTS["attention"])
         if y is not None:
             STATS["attention"]["dense"] += M * G * op.group_cols * out_features
             return y

@@ -244,10 +244,10 @@ class WideRouter(nn.Module):
 
     def module_router(self):
         """This rank's folded router, forced flag and stand-ins for the native kernels to decide and
-        add themselves (``cpu_native.ModuleRouter``), or None for a static mask."""
+        add themselves (``cpu_rows.ModuleRouter``), or None for a static mask."""
         if self.static:
             return None
-        from wide_cli.runtime.cpu_native import ModuleRouter
+        from wide_cli.runtime.cpu_rows import ModuleRouter
 
         if getattr(self, "_standin_local", None) is None and getattr(self, "standin", None) is not None:
             self._standin_local = self.standin.detach()[self.lo : self.hi].float().contiguous()
