@@ -62,7 +62,7 @@ AUTO_MIN_M = 512  # from this many tokens a host sync to pick kernel vs cuBLAS i
 CUBLAS_MASKED = "cuBLAS on the masked input"
 
 
-def dispatch_path(M: int, live: Callable[[], float] | None, *, dense_above: float, gemv_max_m: int,
+def dispatch_path(M: int, live: Callable[[], float | torch.Tensor] | None, *, dense_above: float, gemv_max_m: int,
                   capturing: bool = False) -> str:  # fmt: skip
     """Which implementation a masked GEMM of ``M`` tokens runs: ``"GEMV"``, ``"kernel"`` (the
     tensor-core GEMMs) or ``CUBLAS_MASKED`` (pure Python; see the module docstring).
@@ -80,8 +80,9 @@ def dispatch_path(M: int, live: Callable[[], float] | None, *, dense_above: floa
 
 
 def _path(op: str, M: int, live: Callable[[], torch.Tensor]) -> str:
+    """``dispatch_path`` with this process's settings, counted in ``REGISTRY.dispatch``."""
     path = dispatch_path(
-        M, lambda: float(live()), dense_above=REGISTRY.dense_above(), gemv_max_m=REGISTRY.gemv_max_m(),
+        M, live, dense_above=REGISTRY.dense_above(), gemv_max_m=REGISTRY.gemv_max_m(),
         capturing=torch.cuda.is_current_stream_capturing(),
     )  # fmt: skip
     REGISTRY.dispatch[(op, path)] += 1
@@ -211,11 +212,14 @@ def _gemm_mn(a, w, w2, mask, group_size, bias, *, swiglu: bool, zero_skipped: bo
     if why:
         return fallback(op, why, ref)
     dev, dt = a.device, DTYPES[a.dtype]
+    mask_ = _bool_on(mask, dev)
+    path = _path(op, M, lambda: mask_.float().mean())
+    if path == CUBLAS_MASKED:  # before any copy or allocation the kernels need
+        return masked_dense_mn(a, w, w2, mask_, group_size, bias)
     a_, w_ = _aligned_rows(a), _aligned_rows(w)
     w2_ = w_ if w2 is None else _aligned_rows(w2)
     if w2 is not None and w2_.stride(0) != w_.stride(0):
         w2_, w_ = w2_.contiguous(), w_.contiguous()
-    mask_ = _bool_on(mask, dev)
     out = torch.empty(M, N, dtype=a.dtype, device=dev)
     bias_ = bias.contiguous() if bias is not None else None
     bias_arg, has_bias = (arg(bias_), 1) if bias_ is not None else (arg(out), 0)
@@ -227,9 +231,6 @@ def _gemm_mn(a, w, w2, mask, group_size, bias, *, swiglu: bool, zero_skipped: bo
                 ops.expand_mask(mask_, group_size), o, torch.zeros((), dtype=o.dtype, device=dev)
             )
 
-    path = _path(op, M, lambda: mask_.float().mean())
-    if path == CUBLAS_MASKED:
-        return masked_dense_mn(a, w, w2, mask_, group_size, bias)
     if path == "GEMV" and group_size % 2 == 0:
         mmax = next_pow2(M)
         defines = {"MMAX": mmax, "SWIGLU": int(swiglu)}
@@ -291,13 +292,7 @@ def gemm_k(a, w, mask, group_size, bias=None):
     if why:
         return fallback("gemm_k", why, ref)
     dev, dt = a.device, DTYPES[a.dtype]
-    a_, w_ = _aligned_rows(a), _aligned_rows(w)
     mask_ = _bool_on(mask, dev)
-    G = Kd // group_size
-    out = torch.empty(M, N, dtype=a.dtype, device=dev)
-    bias_ = bias.contiguous() if bias is not None else None
-    bias_arg, has_bias = (arg(bias_), 1) if bias_ is not None else (arg(out), 0)
-
     packed_box: list[torch.Tensor] = []
 
     def live_fragments() -> torch.Tensor:  # live 16-row fragments x groups (what the GEMM reads)
@@ -306,8 +301,13 @@ def gemm_k(a, w, mask, group_size, bias=None):
         return (halves != 0).float().mean()
 
     path = _path("gemm_k", M, live_fragments)
-    if path == CUBLAS_MASKED:
+    if path == CUBLAS_MASKED:  # before any copy or allocation the kernels need
         return masked_dense_k(a, w, mask_, group_size, bias)
+    a_, w_ = _aligned_rows(a), _aligned_rows(w)
+    G = Kd // group_size
+    out = torch.empty(M, N, dtype=a.dtype, device=dev)
+    bias_ = bias.contiguous() if bias is not None else None
+    bias_arg, has_bias = (arg(bias_), 1) if bias_ is not None else (arg(out), 0)
     if path == "GEMV":
         defines = {"MMAX": next_pow2(M), "SWIGLU": 0}
         kern = get_kernel("gemv.cu", "wide_gemv_k", dt, defines, dev)
@@ -366,8 +366,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor |
     """PyTorch's fused attention: q ``[B, H, T, d]``, k/v ``[B, H_kv, S, d]``, vis ``[B, T, S]``
     bool or None (causal, ``T == S``) -> ``[B, H, T, d]`` in q's dtype (NaN rows where nothing
     is visible)."""
-    import torch.nn.functional as Fn
-
+    Fn = torch.nn.functional
     mask = None if vis is None else vis[:, None]
     if q.shape[1] != k.shape[1]:
         try:  # grouped-query attention without copying the cache (torch >= 2.5)
