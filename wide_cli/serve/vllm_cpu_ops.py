@@ -127,6 +127,26 @@ def _vllm_gemm(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return linear.cpu_linear(x, linear.weight, None)
 
 
+def _ffn_vllm(mlp: nn.Module, x: torch.Tensor, mask: torch.Tensor, zero_skipped: bool) -> torch.Tensor:
+    """The FFN on vLLM's prepacked dense kernels for every group, the skipped (token, group) pairs
+    of ``mask [M, G]`` zeroed by one broadcast multiply when ``zero_skipped``."""
+    gu = _vllm_gemm(mlp.gate_up_proj, x)
+    Fl = gu.shape[1] // 2
+    h = F.silu(gu[:, :Fl]) * gu[:, Fl:]
+    if zero_skipped:
+        h.view(mask.shape[0], mask.shape[1], -1).mul_(mask.unsqueeze(-1))
+    return _vllm_gemm(mlp.down_proj, h)
+
+
+def _out_vllm(o_proj: nn.Module, o: torch.Tensor, mask: torch.Tensor, zero_skipped: bool) -> torch.Tensor:
+    """The O projection on vLLM's prepacked dense kernel, skipped head groups' channels of
+    ``mask [M, G]`` zeroed first when ``zero_skipped``."""
+    if zero_skipped:
+        M, G = mask.shape
+        o = (o.reshape(M, G, -1) * mask.unsqueeze(-1)).reshape(M, -1)
+    return _vllm_gemm(o_proj, o)
+
+
 def _ffn_cpu(x: torch.Tensor, r: torch.Tensor, op_id: int) -> torch.Tensor:
     """``x [M, D]``, ``r [M, D]`` (what its router reads) -> ``[M, D]``: the routed FFN of op module
     ``op_id``, stand-ins included. A step of at most ``NATIVE_M`` tokens is one native call
@@ -161,12 +181,7 @@ def _ffn_small(op, x: torch.Tensor, mask: torch.Tensor, union: int, pairs: int) 
         return _ffn_masked(op, x, mask.bool())
     STATS["ffn"]["executed"] += M * G * op.group_macs
     STATS["ffn"]["dense"] += M * G * op.group_macs
-    gu = _vllm_gemm(mlp.gate_up_proj, x)
-    Fl = gu.shape[1] // 2
-    h = F.silu(gu[:, :Fl]) * gu[:, Fl:]
-    if pairs < M * G:  # zero the skipped (token, group) pairs
-        h.view(M, G, -1).mul_(mask.unsqueeze(-1))
-    return _vllm_gemm(mlp.down_proj, h)
+    return _ffn_vllm(mlp, x, mask, pairs < M * G)
 
 
 def _ffn_masked(op, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -185,12 +200,7 @@ def _ffn_masked(op, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mlp = op._mlp[0]
     if _dense_masked(plan, M, G) and hasattr(mlp.down_proj, "cpu_linear"):
         _count("ffn", plan, mask, op.group_macs, M, every_group=True)
-        gu = _vllm_gemm(mlp.gate_up_proj, x)
-        Fl = gu.shape[1] // 2
-        h = F.silu(gu[:, :Fl]) * gu[:, Fl:]
-        if plan[0] != "dense":  # zero the skipped (token, group) pairs: one broadcast multiply
-            h.view(M, G, -1).mul_(mask.unsqueeze(-1))
-        return _vllm_gemm(mlp.down_proj, h)
+        return _ffn_vllm(mlp, x, mask, plan[0] != "dense")
     _count("ffn", plan, mask, op.group_macs, M)
     return cpu_proj.ffn_proj(x, op.gu, op.down, mask, plan)
 
@@ -233,9 +243,7 @@ def _out_small(op, o: torch.Tensor, mask: torch.Tensor, union: int, pairs: int, 
         return _out_masked(op, o, mask.bool(), out_features)
     STATS["attention"]["executed"] += macs
     STATS["attention"]["dense"] += macs
-    if pairs < M * G:
-        o = (o.reshape(M, G, -1) * mask.unsqueeze(-1)).reshape(M, -1)
-    return _vllm_gemm(o_proj, o)
+    return _out_vllm(o_proj, o, mask, pairs < M * G)
 
 
 def _out_masked(op, o: torch.Tensor, mask: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -251,9 +259,7 @@ def _out_masked(op, o: torch.Tensor, mask: torch.Tensor, out_features: int) -> t
     o_proj = op._o[0]
     if _dense_masked(plan, M, G) and hasattr(o_proj, "cpu_linear"):
         _count("attention", plan, mask, op.group_cols * out_features, M, every_group=True)
-        if plan[0] != "dense":
-            o = (o.reshape(M, G, -1) * mask.unsqueeze(-1)).reshape(M, -1)
-        return _vllm_gemm(o_proj, o)
+        return _out_vllm(o_proj, o, mask, plan[0] != "dense")
     _count("attention", plan, mask, op.group_cols * out_features, M)
     return cpu_proj.gemm_k_proj(o, op.o, mask, None, plan)
 
