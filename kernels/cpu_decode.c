@@ -65,7 +65,7 @@
 #define WIDE_I4_SIMD 1 /* the int4 x int8 kernel (32-byte vectors; vpdpbusd where AVX512-VNNI/VL is) */
 #endif
 
-#define WIDE_DECODE_ABI 10
+#define WIDE_DECODE_ABI 11
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_I4 = 3 };
 /* The step's counters (cnt[]): executed weight, attention and router multiply-adds, weight bytes
@@ -83,6 +83,8 @@ typedef struct {
     const float *ln_attn, *ln_ffn, *q_norm, *k_norm; /* fp32; q/k norms [d] or NULL */
     const float *ra_w, *ra_b, *rf_w, *rf_b;    /* folded routers [G, D], [G] or NULL */
     const float *sa, *sf;                      /* stand-ins [G, D] or NULL */
+    const float *sa_in, *sa_out, *sf_in, *sf_out; /* low-rank stand-in maps [G, sr, D] or NULL */
+    int64_t sr;                                /* their rank R (0: none) */
     const uint8_t *keep_a, *keep_f;            /* static execute masks [G] or NULL */
     void *k_cache, *v_cache;                   /* [B, Hkv, S_max, d] in the compute dtype */
     int64_t keep_a_stride, keep_f_stride;      /* bytes between batch rows' keep masks (0: one for all) */
@@ -1209,17 +1211,34 @@ static int64_t set_runs(const uint8_t *ex, int64_t B, int64_t G, int64_t *runs, 
     return nr;
 }
 
-/* x += sum over skipped groups of standin[j] (fp32 sum, rounded like the torch path). */
-static void add_standins(const float *st, const uint8_t *ex, int64_t G, int64_t D, int64_t bf16, float *x,
-                         float *tmp) {
-    if (st == NULL) return;
+/* x += sum over skipped groups j of standin[j] + (h . si[j][r]) so[j][r] summed over r < R (fp32
+ * sums, rounded like the torch path). si / so [G][R][D] are the low-rank stand-in maps of the
+ * module's normed input h [D] (NULL: constant stand-ins only). Returns the maps' multiply-adds. */
+static int64_t add_standins(const float *st, const float *si, const float *so, int64_t R, const uint8_t *ex,
+                            int64_t G, int64_t D, int64_t bf16, const float *h, float *x, float *tmp) {
+    if (st == NULL) return 0;
     int any = 0;
     for (int64_t j = 0; j < G; j++) any |= !ex[j];
-    if (!any) return;
+    if (!any) return 0;
+    int64_t macs = 0;
     memset(tmp, 0, (size_t)D * sizeof(float));
-    for (int64_t j = 0; j < G; j++)
-        if (!ex[j]) for (int64_t i = 0; i < D; i++) tmp[i] += st[j * D + i];
+    for (int64_t j = 0; j < G; j++) {
+        if (ex[j]) continue;
+        for (int64_t i = 0; i < D; i++) tmp[i] += st[j * D + i];
+        if (si == NULL) continue;
+        float z[64];
+        for (int64_t r0 = 0; r0 < R; r0 += 64) {
+            int64_t n = R - r0 < 64 ? R - r0 : 64;
+            dot_f32(si + (j * R + r0) * D, D, n, h, z);
+            for (int64_t r = 0; r < n; r++) {
+                const float *u = so + (j * R + r0 + r) * D;
+                for (int64_t i = 0; i < D; i++) tmp[i] += z[r] * u[i];
+            }
+        }
+        macs += 2 * R * D;
+    }
     for (int64_t i = 0; i < D; i++) x[i] = bf16 ? round_bf16(x[i] + round_bf16(tmp[i])) : x[i] + tmp[i];
+    return macs;
 }
 
 /* HF rotate_half RoPE on one head x[d] with tables cs, sn [d / 2]. */
@@ -1491,7 +1510,9 @@ static void layer_step(WCtx *c, const WModel *m, int64_t li, int64_t B, float *x
         if (!(live >> b & 1)) continue;
         float *x = X(b), *y = Y(b);
         for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
-        add_standins(L->sa, exa + b * GA, GA, D, bf, x, TMP(b));
+        int64_t sm = add_standins(L->sa, L->sa_in, L->sa_out, L->sr, exa + b * GA, GA, D, bf, H_(b), x, TMP(b));
+        cnt[CNT_MACS] += sm;
+        cnt[CNT_WEIGHT_BYTES] += sm * (int64_t)sizeof(float);
     }
 
     /* FFN: routers on the residual streams after the attention add (hid holds their logits) */
@@ -1510,7 +1531,9 @@ static void layer_step(WCtx *c, const WModel *m, int64_t li, int64_t B, float *x
         if (!(live >> b & 1)) continue;
         float *x = X(b), *y = Y(b);
         for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
-        add_standins(L->sf, exf + b * GF, GF, D, bf, x, TMP(b));
+        int64_t sm = add_standins(L->sf, L->sf_in, L->sf_out, L->sr, exf + b * GF, GF, D, bf, H_(b), x, TMP(b));
+        cnt[CNT_MACS] += sm;
+        cnt[CNT_WEIGHT_BYTES] += sm * (int64_t)sizeof(float);
     }
 #undef X
 #undef H_
@@ -1865,7 +1888,8 @@ int64_t wide_decode_layout(int64_t *out, int64_t cap) {
         sizeof(WLayer), sizeof(WModel),
         WL(H), WL(Hkv), WL(d), WL(ag), WL(GA), WL(fg), WL(GF), WL(window), WL(blocked), WL(qkv), WL(qkv_s), WL(o),
         WL(o_s), WL(gu), WL(gu_s), WL(down), WL(down_s), WL(bqkv), WL(bo), WL(ln_attn), WL(ln_ffn), WL(q_norm),
-        WL(k_norm), WL(ra_w), WL(ra_b), WL(rf_w), WL(rf_b), WL(sa), WL(sf), WL(keep_a), WL(keep_f), WL(k_cache),
+        WL(k_norm), WL(ra_w), WL(ra_b), WL(rf_w), WL(rf_b), WL(sa), WL(sf), WL(sa_in), WL(sa_out),
+        WL(sf_in), WL(sf_out), WL(sr), WL(keep_a), WL(keep_f), WL(k_cache),
         WL(v_cache), WL(keep_a_stride), WL(keep_f_stride),
         WM(L), WM(D), WM(V), WM(max_len), WM(wfmt), WM(act_bf16), WM(head_fmt), WM(routing), WM(nthreads), WM(eps),
         WM(rope_scale), WM(inv_freq), WM(embed), WM(final_norm), WM(head), WM(head_s), WM(layers),
@@ -1994,7 +2018,7 @@ static int64_t standin_rows(const float *st, const uint8_t *mask, int64_t G, int
         if (!any) continue;
         if (tmp == NULL && (tmp = malloc((size_t)N * sizeof(float))) == NULL) return -1;
         if (bf) for (int64_t i = 0; i < N; i++) y[b * N + i] = round_bf16(y[b * N + i]);
-        add_standins(st, mask + b * G, G, N, bf, y + b * N, tmp);
+        add_standins(st, NULL, NULL, 0, mask + b * G, G, N, bf, NULL, y + b * N, tmp);
     }
     free(tmp);
     return 0;

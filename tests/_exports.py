@@ -36,7 +36,7 @@ def tiny_export(out, fmt: str = "wide", *, skipping_routers: bool = False):
 def feature_model(kind: str = "llama", *, seed: int = 0, method: str = "wide", standin: str = "none",
                   drop_layers: int = 0, layers: int = 2, ags: int = 2, fgs: int = 32, **overrides):
     """A tiny routed model that uses the export features asked for (``wide_cli.features``):
-    ``standin`` (``mean`` / ``trained``: seeded non-zero stand-ins), ``drop_layers`` (a hybrid:
+    ``standin`` (``mean`` / ``trained`` / ``lowrank:R``: seeded non-zero stand-ins and maps), ``drop_layers`` (a hybrid:
     ``layers + drop_layers`` layers built, the first ``drop_layers`` after layer 0 removed, then
     routed), ``method`` (``wide``, ``dynamic-depth``, ``static-width`` with seeded keep masks, or
     ``dense``), config ``overrides`` (``attention_bias``, ``sliding_window``, ``rope_parameters``...).
@@ -75,6 +75,8 @@ def feature_model(kind: str = "llama", *, seed: int = 0, method: str = "wide", s
                 p.copy_(torch.randn(p.shape, generator=g))
             elif n.endswith(".standin"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            elif n.endswith((".standin_in", ".standin_out")):  # low-rank maps of lowrank:R
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     state.set_mode("argmax")
     lay = state.layout
     wc = {

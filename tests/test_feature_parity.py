@@ -48,6 +48,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 EXPORTS = {
     "plain": ({}, "fp32", {"routers", "format_wide", "weights_fp32"}),
     "standins": ({"standin": "trained"}, "fp32", {"standins"}),
+    "lowrank_standins": ({"standin": "lowrank:4"}, "fp32", {"standins", "lowrank_standins"}),
     "dropped_layers": ({"drop_layers": 1, "standin": "mean"}, "fp32", {"dropped_layers", "standins"}),
     "dynamic_depth": ({"method": "dynamic-depth"}, "fp32", {"routers"}),
     "static_width_keep": ({"method": "static-width", "ags": 1}, "fp32", {"static_width_keep"}),

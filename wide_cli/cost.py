@@ -30,10 +30,14 @@ so its time is taken as proportional to them; multiply by the dtype's item size 
 KV-cache reads are not counted (the ideal bound). Routers are optional overhead, counted in the
 routed cost only: per router ``2 * (D * r + r * 2G)`` FLOPs, ``D * r + r * 2G`` weight elements.
 
+Low-rank stand-ins (``lowrank:R``) run in place of a skipped group, so each skip saves the group's
+cost minus its stand-in's: ``2 * 2 * R * D`` FLOPs (``x @ V_g^T``, then ``@ U_g``) and ``2 * R * D``
+weight elements. The constant stand-in vectors (``D`` adds per skipped group) are not counted.
+
 Skip fractions are per (layer, module): the share of (token, group) decisions that skip. The
 routed cost is linear in them, so the *cost-weighted skip fraction* of a set of masks is
 
-    sum over (layer, module) of  s[layer, module] * G_module * group_cost_module  /  dense total
+    sum over (layer, module) of  s[layer, module] * G_module * (group_cost - standin_cost)_module  /  dense total
 
 i.e. the share of the dense model's cost that routing removes; ``1 - weighted skip`` is the cost
 fraction of dense (``relative``). The floor (``floor_fraction``) is what no routing can remove.
@@ -75,6 +79,8 @@ class CostModel:
         router_attention, router_ffn: cost of one layer's router of that module (0 when the
             router rank is not given); counted in routed costs only.
         context_len: C used for the attention core (FLOPs only; 0 for bytes).
+        standin: cost of one group's low-rank stand-in, paid when the group is skipped (0
+            without ``lowrank:R`` stand-ins); the same for both modules (maps ``D -> R -> D``).
     """
 
     metric: str
@@ -88,6 +94,7 @@ class CostModel:
     router_attention: float = 0.0
     router_ffn: float = 0.0
     context_len: float = 0.0
+    standin: float = 0.0
 
     # ---------------------------------------------------------------- totals
     def module_cost(self, module: str) -> float:
@@ -112,10 +119,17 @@ class CostModel:
         """Dense cost per token of the whole model."""
         return self.model_floor + self.num_layers * self.layer_cost
 
+    def skip_saving(self, module: str) -> float:
+        """What skipping one group of ``module`` in one layer saves, for one token: its cost minus
+        its stand-in's."""
+        return self.group_cost(module) - self.standin
+
     @property
     def floor(self) -> float:
-        """Always-dense cost per token (K/V projections, norms, embeddings, lm_head)."""
-        return self.model_floor + self.num_layers * self.layer_floor
+        """Lowest cost per token, every group skipped: the always-dense part (K/V projections,
+        norms, embeddings, lm_head) plus every group's low-rank stand-in."""
+        standins = self.num_layers * self.standin * (self.attn_groups + self.ffn_groups)
+        return self.model_floor + self.num_layers * self.layer_floor + standins
 
     @property
     def floor_fraction(self) -> float:
@@ -128,8 +142,10 @@ class CostModel:
         return self.layer_cost / self.dense_total
 
     def module_weight(self, module: str) -> float:
-        """Share of the dense total that one layer's ``module`` is: the weight of its skip fraction."""
-        return self.module_cost(module) / self.dense_total
+        """Share of the dense total that skipping all of one layer's ``module`` removes: the weight
+        of its skip fraction (the module's cost, less its stand-ins' when they are low-rank)."""
+        groups = self.attn_groups if module == "attention" else self.ffn_groups
+        return groups * self.skip_saving(module) / self.dense_total
 
     # ---------------------------------------------------------------- fractions
     def weighted_skip(self, skip: Mapping[tuple[int, str], float | torch.Tensor]):
@@ -216,7 +232,7 @@ class CostModel:
             "ffn_groups": self.ffn_groups, "attn_group": self.attn_group, "ffn_group": self.ffn_group,
             "layer_floor": self.layer_floor, "model_floor": self.model_floor, "layer_cost": self.layer_cost,
             "dense_total": self.dense_total, "floor_fraction": self.floor_fraction,
-            "context_len": self.context_len,
+            "context_len": self.context_len, "standin": self.standin,
         }
 
 
@@ -241,6 +257,7 @@ def cost_model(
     seq_len: int | None = None,
     context_len: float | None = None,
     router_rank: int | None = None,
+    standin_rank: int = 0,
 ) -> CostModel:
     """The cost model of ``shape`` (see the module docstring).
 
@@ -252,6 +269,7 @@ def cost_model(
         seq_len / context_len: the attention core's mean context ``C`` (``context_len`` wins;
             from ``seq_len`` as ``(seq_len + 1) / 2``; neither = 0, i.e. the core is not counted).
         router_rank: router bottleneck r, to count router overhead (None = not counted).
+        standin_rank: R of ``lowrank:R`` stand-ins (0 = constant or no stand-ins, free).
 
     Raises:
         ValueError: unknown metric, or a group size that does not divide its axis.
@@ -287,26 +305,35 @@ def cost_model(
         r = int(router_rank)
         r_att = per_router * (D * r + r * 2 * Ga)
         r_ffn = per_router * (D * r + r * 2 * Gf)
-    return CostModel(metric, L, Ga, Gf, attn_group, ffn_group, layer_floor, model_floor, r_att, r_ffn, C)
+    standin = (4.0 if metric == "flops" else 2.0) * int(standin_rank) * D
+    return CostModel(metric, L, Ga, Gf, attn_group, ffn_group, layer_floor, model_floor, r_att, r_ffn, C, standin)
+
+
+def _group_kw(shape: ModelShape, attn_groups: int | None, ffn_groups: int | None, standin_rank: int) -> dict:
+    """``cost_model`` keywords for the group layout (when known) and low-rank stand-ins."""
+    if not (attn_groups and ffn_groups):
+        return {}
+    return {"attn_group_size": shape.num_heads // attn_groups,
+            "ffn_group_size": shape.intermediate_size // ffn_groups, "standin_rank": int(standin_rank)}
 
 
 def flops_report(shape: ModelShape, sparsity: Mapping | None, *, seq_len: int, router_rank: int | None = None,
-                 attn_groups: int | None = None, ffn_groups: int | None = None) -> dict:
+                 attn_groups: int | None = None, ffn_groups: int | None = None, standin_rank: int = 0) -> dict:
     """Routed FLOPs per token relative to dense at a measured sparsity (what ``wide eval`` reports).
 
     Args:
         shape: the model's shape. sparsity: measured summary (None = dense).
         seq_len: evaluation window; the attention core uses ``C = (seq_len + 1) / 2``.
         router_rank, attn_groups, ffn_groups: count router overhead when all are given.
+        standin_rank: R of low-rank stand-ins, charged to every skipped group (needs the groups).
 
     Returns:
         ``{relative, dense_flops_per_token, routed_flops_per_token, router_flops_per_token,
         context_len, floor_fraction, formula}`` (FLOPs, 2 per multiply-add).
     """
-    kw = {}
-    if router_rank and attn_groups and ffn_groups:
-        kw = {"attn_group_size": shape.num_heads // attn_groups,
-              "ffn_group_size": shape.intermediate_size // ffn_groups, "router_rank": router_rank}
+    kw = _group_kw(shape, attn_groups, ffn_groups, standin_rank)
+    if router_rank and kw:
+        kw["router_rank"] = router_rank
     cm = cost_model(shape, metric="flops", seq_len=seq_len, **kw)
     router = cm.router_overhead(sparsity) if sparsity is not None else 0.0
     routed = cm.dense_total * (1.0 - cm.skip_from_summary(sparsity)) + router
@@ -322,11 +349,14 @@ def flops_report(shape: ModelShape, sparsity: Mapping | None, *, seq_len: int, r
     }
 
 
-def decode_speedup_bound(shape: ModelShape, sparsity: Mapping | None) -> float:
+def decode_speedup_bound(shape: ModelShape, sparsity: Mapping | None, *, attn_groups: int | None = None,
+                         ffn_groups: int | None = None, standin_rank: int = 0) -> float:
     """Ideal end-to-end batch-1 decode speed-up over dense at a measured sparsity summary: dense
-    weight elements read per token / routed ones (``decode_bytes``; routers and KV cache ignored).
+    weight elements read per token / routed ones (``decode_bytes``; routers and KV cache ignored;
+    low-rank stand-ins of ``standin_rank`` charged per skipped group when the group counts are given).
     SmolLM2-135M at 0.5 / 0.5: about 1.59x; Llama-3.1-8B: about 1.81x (DESIGN.md §3)."""
-    return cost_model(shape, metric="decode_bytes").speedup_bound(sparsity)
+    kw = _group_kw(shape, attn_groups, ffn_groups, standin_rank)
+    return cost_model(shape, metric="decode_bytes", **kw).speedup_bound(sparsity)
 
 
 def shape_of_layers(layers: Sequence, vocab_size: int, hidden_size: int) -> ModelShape:
@@ -372,7 +402,7 @@ def hybrid_export_cost(wide_config: Mapping, shape: ModelShape, sparsity: Mappin
 
     Args:
         routers: ``flops_report``'s router keywords (``router_rank``, ``attn_groups``,
-            ``ffn_groups``) to count router overhead; None = not counted.
+            ``ffn_groups``, ``standin_rank``) to count router and stand-in overhead; None = not counted.
 
     Returns:
         ``(flops, decode_bound)`` like ``static_depth_export_cost``.
@@ -382,7 +412,9 @@ def hybrid_export_cost(wide_config: Mapping, shape: ModelShape, sparsity: Mappin
     kept = flops_report(shape, sparsity, seq_len=seq_len, **(routers or {}))
     full = cost_model(source, metric="flops", seq_len=seq_len).dense_total
     flops = {**kept, "relative": kept["routed_flops_per_token"] / full, "dense_flops_per_token": full}
-    b_kept = cost_model(shape, metric="decode_bytes")
+    r = routers or {}
+    b_kept = cost_model(shape, metric="decode_bytes",
+                        **_group_kw(shape, r.get("attn_groups"), r.get("ffn_groups"), r.get("standin_rank", 0)))
     b_full = cost_model(source, metric="decode_bytes").dense_total
     routed_bytes = b_kept.dense_total * (1.0 - b_kept.skip_from_summary(sparsity))
     return flops, b_full / routed_bytes

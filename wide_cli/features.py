@@ -22,6 +22,7 @@ feature               reference  cpu  native  cupy  hf  vllm  gguf
 ====================  =========  ===  ======  ====  ==  ====  ====
 routers               +          +    +       +     +   +     -
 standins              +          +    +       +     +   +     -
+lowrank_standins      +          +    +       +     +   -     -
 dropped_layers        +          +    +       +     +   +     +
 static_depth          +          +    +       +     -   +     +
 static_width_keep     +          +    +       +     -   +     -
@@ -57,6 +58,7 @@ _CONFIG, _WIDE = CONFIG_JSON, WIDE_CONFIG
 FEATURES: dict[str, tuple[str, str]] = {
     "routers": ("per-token routers (method wide / dynamic-depth)", _WIDE),
     "standins": ("stand-ins for skipped groups (routing.standin)", _WIDE),
+    "lowrank_standins": ("low-rank stand-ins for skipped groups (routing.standin lowrank:R)", _WIDE),
     "dropped_layers": ("decoder layers removed before routing (routing.drop_layers, a hybrid export)", _WIDE),
     "static_depth": ("whole decoder layers removed (method static-depth)", _WIDE),
     "static_width_keep": ("static-width keep masks (method static-width)", _WIDE),
@@ -111,9 +113,9 @@ SUPPORT: dict[str, frozenset[str]] = {
     "hf": frozenset(FEATURES.keys() - {"static_depth", "static_width_keep", "weights_int8", "weights_int4",
                                                   "format_wide"}),
     # the routed FFN op has no biases; vLLM's RoPE is not transformers' length-dependent one;
-    # int8 / int4 weights are wide's own layouts
+    # int8 / int4 weights are wide's own layouts; the fused routed ops add constant stand-ins only
     "vllm": frozenset(FEATURES.keys() - {"static_width_compact", "mlp_bias", "rope_dynamic", "weights_int8",
-                                         "weights_int4"}),
+                                         "weights_int4", "lowrank_standins"}),
     # llama.cpp's ``llama`` graph as runtime/gguf_writer.py writes it: a plain dense Llama
     "gguf": frozenset({"dropped_layers", "static_depth", "weights_fp32", "weights_bf16", "weights_fp16",
                        "weights_int8", "weights_int4", "format_wide"}),
@@ -164,6 +166,8 @@ def export_features(config: dict, wide_config: dict | None = None) -> frozenset:
         out.add("routers")
         if routing.get("standin") not in (None, "none"):
             out.add("standins")
+        if str(routing.get("standin") or "").startswith("lowrank:"):
+            out.add("lowrank_standins")
     if method == "static-width":
         out.add("static_width_compact" if config.get("wide_layer_heads") is not None else "static_width_keep")
     if int(routing.get("drop_layers") or 0) > 0 or wc.get("dropped_layers"):

@@ -592,3 +592,37 @@ def test_routed_rows_take_any_mask_layout_and_refuse_bad_shapes():
         cpu_rows.routed_ffn(gu, down, x, torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="counters must be a contiguous CPU int64 tensor of 4"):
         cpu_rows.routed_ffn(gu, down, x, mask.t(), torch.zeros(4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("p_skip", [0.5, 1.0])
+def test_native_step_runs_lowrank_standins_as_the_reference(fmt, p_skip, random_masks):
+    """``lowrank:4`` stand-ins (a constant plus a rank-4 map of the module's normed input per
+    skipped group) in the native step, one row and a batch of two, against the reference backend;
+    each skipped group's maps count ``2 R D`` multiply-adds and their fp32 bytes."""
+    from tests._exports import feature_model
+
+    model, _ = feature_model(standin="lowrank:4", seed=2)
+    ref = Runtime.from_model(model, backend="reference", weight_format=fmt)
+    nat = Runtime.from_model(model, backend="cpu", weight_format=fmt)
+    ids, steps = _prompt(12), 6
+    ref.forced = nat.forced = random_masks(model, 1, 12 + steps + 1, p_skip, seed=3)
+    want, toks = _decode(ref, ids, None, steps)
+    got, _ = _decode(nat, ids, toks, steps)
+    assert isinstance(nat._native, cpu_native.NativeDecoder)
+    torch.testing.assert_close(got, want, atol=_atol(fmt, want), rtol=0)
+    # the maps' work, counted: one decode step with every group skipped
+    macs = {}
+    for label, skip in (("every group", False), ("none", True)):
+        nat.forced = {k: torch.full_like(v, not skip) for k, v in nat.forced.items()}
+        cache = nat.new_cache(1, 8)
+        nat.step(_prompt(3), None, cache)
+        nat.counter.reset()
+        nat.step(torch.tensor([[9]]), None, cache)
+        macs[label] = nat.counter.macs
+    groups = sum(m.attn_groups + m.ffn_groups for m in nat.meta)
+    routed = sum(m.attn_groups * m.attn_group_size * m.head_dim * 2 + m.ffn_groups * m.ffn_group_size * 3
+                 for m in nat.meta) * nat.hidden_size  # Q rows + O columns, gate + up + down
+    R, D = 4, nat.hidden_size
+    # skipping every group trades the groups' multiply-adds for their stand-in maps' 2 R D each
+    assert macs["every group"] - macs["none"] == routed - groups * 2 * R * D

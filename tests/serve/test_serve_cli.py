@@ -95,8 +95,10 @@ def test_plan_serves_exports_without_routed_layers_as_vllms_own_model(export_fac
     ("features", "file", "message"),
     [({"weight_format": "int8"}, "wide_config.json", "int8 weights (wide export --weights int8) [weights_int8]"),
      ({"export_format": "hf", "method": "static-width"}, "config.json",
-      "static width physically narrowed per layer (wide_layer_heads) [static_width_compact]")],
-    ids=["int8", "static-width-hf"],
+      "static width physically narrowed per layer (wide_layer_heads) [static_width_compact]"),
+     ({"standin": "lowrank:4"}, "wide_config.json",
+      "low-rank stand-ins for skipped groups (routing.standin lowrank:R) [lowrank_standins]")],
+    ids=["int8", "static-width-hf", "lowrank-standins"],
 )
 def test_preflight_refuses_what_the_plugin_cannot_run_naming_feature_and_file(export_factory, features, file, message):
     """`wide serve` reads the feature table before vLLM starts: one line, exit 2."""

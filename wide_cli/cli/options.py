@@ -89,7 +89,7 @@ CostTarget = Annotated[float | None, typer.Option("--cost-target", help="Per-tok
 CostMetric = Annotated[str | None, typer.Option("--cost-metric", help="What --cost-target is a fraction of: flops | decode_bytes (default flops).")]
 Sparsity = Annotated[float | None, typer.Option("--sparsity", help="Target fraction of skipped (token, group) decisions, unweighted (the paper's), in [0, 1); replaces a recipe's cost target.")]
 SparsityWarmup = Annotated[float | None, typer.Option("--sparsity-warmup", help="Fraction of steps over which the sparsity/cost target ramps up from 0 (default 0).")]
-Standin = Annotated[str | None, typer.Option("--standin", help="What a skipped group adds: none | mean (calibration-mean output) | trained.")]
+Standin = Annotated[str | None, typer.Option("--standin", help="What a skipped group adds: none | mean (calibration-mean output) | trained | lowrank:R (trained mean plus a rank-R map of the module's input, fitted on calibration tokens; R below the group's width; charged in the cost model).")]
 DropLayers = Annotated[int | None, typer.Option("--drop-layers", help="Hybrid depth + width (wide, dynamic-depth): first remove this many least influential decoder layers (Block Influence), then route width in the rest; --cost-target still counts the whole model (default 0).")]
 Distill = Annotated[float | None, typer.Option("--distill", help="Weight of KL distillation to the dense model in [0, 1] (0 = LM loss only).")]
 DistillTemperature = Annotated[float | None, typer.Option("--distill-temperature", help="Softmax temperature of the distillation (default 1).")]

@@ -231,9 +231,9 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
     router = {}
     if state is not None and state.cfg.method in ("wide", "dynamic-depth"):
         router = {"router_rank": state.cfg.router_rank, "attn_groups": state.layout.attn_groups,
-                      "ffn_groups": state.layout.ffn_groups}
+                  "ffn_groups": state.layout.ffn_groups, "standin_rank": _standin_rank(state.cfg)}
     flops = flops_report(shape, sparsity, seq_len=seq_len, **router)
-    bound = decode_speedup_bound(shape, sparsity)
+    bound = decode_speedup_bound(shape, sparsity, **{k: v for k, v in router.items() if k != "router_rank"})
     if info is not None and info.method == "static-depth":  # relative to the source model, whose layers it removed
         flops, bound = static_depth_export_cost(wcfg, shape, seq_len=seq_len)
     elif info is not None and info.dropped_layers:  # hybrid: routed layers of a layer-pruned source, against the source
@@ -253,6 +253,14 @@ def evaluate_model(target: Target, plan: EvalPlan) -> dict:
         "decode_speedup_bound": bound,
         "warnings": [],
     }
+
+
+def _standin_rank(cfg) -> int:
+    """R of ``lowrank:R`` stand-ins in a routing config (a ``RoutingConfig``, or the namespace an hf
+    export's own code builds), else 0."""
+    from wide_cli.routing.config import parse_standin
+
+    return parse_standin(getattr(cfg, "standin", "none") or "none")[1]
 
 
 def source_mismatch(pruned: Target, dense: Target) -> str | None:

@@ -34,6 +34,7 @@ COPIED: tuple[tuple[str, str], ...] = (
     ("wide_cli.routing.config", "GroupLayout"),
     ("wide_cli.routing.router", "Router"),
     ("wide_cli.routing.router", "apply_standin"),
+    ("wide_cli.routing.router", "router_standin"),
     ("wide_cli.routing.gumbel", "hard_gumbel_execute"),
     ("wide_cli.routing.gumbel", "argmax_execute"),
     ("wide_cli.routing.gumbel", "skip_fraction"),
@@ -245,8 +246,10 @@ def attach_wide(model, config) -> RoutingState:
             ("ffn", cfg.route_ffn, layout.ffn_groups),
         ):
             if on:
-                router = Router(config.hidden_size, cfg.router_rank, groups,
-                                standin=getattr(cfg, "standin", "none") != "none")
+                standin = str(getattr(cfg, "standin", "none"))
+                rank = int(standin.split(":")[1]) if standin.startswith("lowrank:") else 0
+                router = Router(config.hidden_size, cfg.router_rank, groups, standin=standin != "none",
+                                standin_rank=rank)
                 setattr(layer, f"router_{module}", router)
     model.register_forward_pre_hook(_capture_valid(state), with_kwargs=True)
     return state

@@ -133,12 +133,16 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
             init_routers_from_statistics(model, stats, target)
         if rcfg.standin != "none":
             init_standins_from_statistics(model, stats)
+        packed = packed_data(settings, loaded.tokenizer, run)
+        if rcfg.standin_rank:
+            from wide_cli.calibrate.lowrank import fit_lowrank_standins
+
+            fit_lowrank_standins(model, packed.train, batch_size=settings.eval.batch_size)
         for n, p in model.named_parameters():
             routed = is_router_tensor(n)
-            p.requires_grad_(routed and (not n.endswith(".standin") or rcfg.standin == "trained"))
+            p.requires_grad_(routed and (not _is_standin(n) or rcfg.standin_trained))
         from wide_cli.train import distributed
 
-        packed = packed_data(settings, loaded.tokenizer, run)
         info = distributed.dist_info()
         ident = stage_identity(settings, loaded, stage="stage1")
         train_model, groups = model, None
@@ -149,7 +153,7 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
             train_model = wrap_lora(model, settings.stage2)
             for n, p in train_model.named_parameters():  # PEFT froze everything but the adapters
                 if is_router_tensor(n):
-                    p.requires_grad_(not n.endswith(".standin") or rcfg.standin == "trained")
+                    p.requires_grad_(not _is_standin(n) or rcfg.standin_trained)
             routers = [p for n, p in train_model.named_parameters() if p.requires_grad and "lora_" not in n]
             lora = [p for n, p in train_model.named_parameters() if p.requires_grad and "lora_" in n]
             groups = [{"params": routers, "lr": settings.train.lr}, {"params": lora, "lr": settings.stage2.lr}]
@@ -171,6 +175,11 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
         save_joint_stage2(train_model, run, res)
     atomic_write_json(run.stage1 / "routers.json", {"routing": settings.routing.to_dict(), "train": res.to_dict()})
     return res
+
+
+def _is_standin(name: str) -> bool:
+    """True for a router's stand-in tensors (``standin``, ``standin_in``, ``standin_out``)."""
+    return name.endswith((".standin", ".standin_in", ".standin_out"))
 
 
 # ----------------------------------------------------------------------------- measure

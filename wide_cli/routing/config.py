@@ -17,8 +17,28 @@ METHODS = ("wide", "dynamic-depth", "static-width", "static-depth", "dense")
 #: (``wide_cli.cost.METRICS``).
 COST_METRICS = ("flops", "decode_bytes")
 #: What a skipped group contributes: nothing, or a fixed stand-in (its calibration-mean output),
-#: or the same stand-in trained with the routers.
+#: or the same stand-in trained with the routers; ``lowrank:R`` adds a trained rank-R map of the
+#: module's input to the trained stand-in (``LOWRANK_PREFIX``).
 STANDINS = ("none", "mean", "trained")
+LOWRANK_PREFIX = "lowrank:"
+
+
+def parse_standin(value: str) -> tuple[str, int]:
+    """``(kind, rank)`` of a ``standin`` setting: ``none`` / ``mean`` / ``trained`` with rank 0, or
+    ``lowrank:R`` -> ``("lowrank", R)``.
+
+    Raises:
+        ConfigError: anything else, or a rank that is not an integer >= 1.
+    """
+    v = str(value)
+    if v in STANDINS:
+        return v, 0
+    if v.startswith(LOWRANK_PREFIX):
+        r = v[len(LOWRANK_PREFIX):]
+        if not r.isdigit() or int(r) < 1:
+            raise ConfigError(f"standin {v!r} needs a rank >= 1 after {LOWRANK_PREFIX!r}", "use e.g. lowrank:8")
+        return "lowrank", int(r)
+    raise ConfigError(f"unknown standin {v!r}", f"choose one of {', '.join(STANDINS)} or lowrank:R (e.g. lowrank:8)")
 
 
 @dataclass(frozen=True)
@@ -50,7 +70,11 @@ class RoutingConfig:
             linearly from 0 to its value (0 = the full target from step 1).
         standin: what a skipped group contributes: ``none`` (zero, the paper), ``mean`` (its
             calibration-mean output, a bias vector per group; FLAP / Informed Routing), or
-            ``trained`` (that vector, trained with the routers).
+            ``trained`` (that vector, trained with the routers), or ``lowrank:R``: the trained
+            vector plus a rank-R linear map of the module's normed input, ``x @ V_g^T @ U_g`` with
+            ``V_g, U_g [R, D]`` (initialised as the best rank-R linear prediction of the group's
+            output on calibration tokens, then trained; R-Sparse / SoLA's low-rank remainder, per
+            group). Its multiply-adds are charged to every skipped group by the cost model.
             For static-depth, the cost layer removal reaches (None = 0.75).
         drop_layers: hybrid depth + width (``wide`` / ``dynamic-depth`` only): first remove this
             many whole decoder layers, the least influential by Block Influence (ShortGPT, as
@@ -108,8 +132,7 @@ class RoutingConfig:
         if not 0.0 <= self.sparsity_warmup < 1.0:
             raise ConfigError(f"sparsity-warmup {self.sparsity_warmup} must be in [0, 1)",
                               "a fraction of the training steps, e.g. 0.2")
-        if self.standin not in STANDINS:
-            raise ConfigError(f"unknown standin {self.standin!r}", f"choose one of {', '.join(STANDINS)}")
+        parse_standin(self.standin)
         if int(self.drop_layers) < 0:
             raise ConfigError(f"drop-layers {self.drop_layers} must be >= 0", "the number of decoder layers to remove")
         if self.drop_layers and self.method not in ("wide", "dynamic-depth"):
@@ -118,6 +141,21 @@ class RoutingConfig:
                               "use --method static-depth --cost-target C to only remove layers, or --method wide")
         if not (self.route_attention or self.route_ffn) and self.method != "dense":
             raise ConfigError("at least one of attention / ffn must be routed")
+
+    @property
+    def standin_kind(self) -> str:
+        """``none``, ``mean``, ``trained`` or ``lowrank`` (``parse_standin``)."""
+        return parse_standin(self.standin)[0]
+
+    @property
+    def standin_rank(self) -> int:
+        """R of ``lowrank:R`` stand-ins, 0 for every other kind."""
+        return parse_standin(self.standin)[1]
+
+    @property
+    def standin_trained(self) -> bool:
+        """True when the stand-ins train with the routers (``trained`` and ``lowrank:R``)."""
+        return self.standin_kind in ("trained", "lowrank")
 
     @property
     def per_module_targets(self) -> bool:
@@ -130,7 +168,7 @@ class RoutingConfig:
 
         layout = resolve_groups(self, shape, warn=False)
         return cost_model(shape, metric=self.cost_metric, attn_group_size=layout.attn_group_size,
-                          ffn_group_size=layout.ffn_group_size, seq_len=seq_len)
+                          ffn_group_size=layout.ffn_group_size, seq_len=seq_len, standin_rank=self.standin_rank)
 
     def check_reachable(self, shape: ModelShape, seq_len: int | None = None) -> None:
         """Raise ConfigError (naming the value and the reachable range) when ``cost_target`` is
@@ -280,6 +318,16 @@ def resolve_groups(cfg: RoutingConfig, shape: ModelShape, *, warn: bool = True) 
             + ", ".join(str(k) for k in (32, 64, 128, 256) if shape.intermediate_size % k == 0)
             or "use a divisor of the intermediate size",
         )
+    rank = cfg.standin_rank
+    if rank:
+        # a group's output has rank at most its width (the columns of o_proj / down_proj it owns),
+        # so a map of that rank or more costs as much as the group and approximates nothing better
+        attn_what = f"attention groups of {a} heads x {shape.head_dim} dims"
+        for on, width, what in ((cfg.route_attention, a * shape.head_dim, attn_what),
+                                (cfg.route_ffn, f, f"FFN groups of {f} channels")):
+            if on and rank >= width:
+                raise ConfigError(f"standin {cfg.standin} does not fit the {what} (rank must be below {width})",
+                                  f"use lowrank:R with R < {width}, e.g. lowrank:{max(1, width // 8)}")
     hpk = shape.heads_per_kv
     aligned = (a % hpk == 0) or (hpk % a == 0)
     if warn and not aligned and cfg.method == "wide":

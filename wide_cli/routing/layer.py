@@ -2,7 +2,8 @@
 
 Skipped query-head groups contribute zero before ``o_proj``; skipped FFN channel groups are zero
 in ``act(gate) * up`` before ``down_proj``; with stand-ins (``RoutingConfig.standin``) each skipped
-group's stand-in vector is added to the module output instead. K/V projections, the KV cache, norms and residual
+group's stand-in (a vector, plus a low-rank map of the module's normed input with ``lowrank:R``)
+is added to the module output instead. K/V projections, the KV cache, norms and residual
 adds stay dense. Submodules are called through their attributes, so PEFT-wrapped projections
 (LoRA) see the same masking.
 """
@@ -15,7 +16,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
-from wide_cli.routing.router import apply_standin
+from wide_cli.routing.router import apply_standin, router_standin
 
 
 def expand_groups(execute: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -174,21 +175,23 @@ def _routed_layer_body(self, hidden_states, attention_mask, position_ids, cache,
     residual = hidden_states
     attn_exec = state.decide(self, idx, "attention", residual)  # [B, T, G_a] or None
     head_exec = None if attn_exec is None else expand_groups(attn_exec, state.layout.attn_group_size)
-    h = self.input_layernorm(hidden_states)
+    x = self.input_layernorm(hidden_states)
     h = routed_attention(
-        self.self_attn, h, position_embeddings, attention_mask, cache, head_exec, position_ids=position_ids, **kwargs
+        self.self_attn, x, position_embeddings, attention_mask, cache, head_exec, position_ids=position_ids, **kwargs
     )
     if attn_exec is not None:
-        h = apply_standin(h, attn_exec, getattr(getattr(self, "router_attention", None), "standin", None))
+        st, st_in, st_out = router_standin(getattr(self, "router_attention", None))
+        h = apply_standin(h, attn_exec, st, x, st_in, st_out)
     hidden_states = residual + h
 
     residual = hidden_states
     ffn_exec = state.decide(self, idx, "ffn", residual)  # [B, T, G_f] or None
     chan_exec = None if ffn_exec is None else expand_groups(ffn_exec, state.layout.ffn_group_size)
-    h = self.post_attention_layernorm(hidden_states)
-    h = routed_mlp(self.mlp, h, chan_exec)
+    x = self.post_attention_layernorm(hidden_states)
+    h = routed_mlp(self.mlp, x, chan_exec)
     if ffn_exec is not None:
-        h = apply_standin(h, ffn_exec, getattr(getattr(self, "router_ffn", None), "standin", None))
+        st, st_in, st_out = router_standin(getattr(self, "router_ffn", None))
+        h = apply_standin(h, ffn_exec, st, x, st_in, st_out)
     return residual + h
 
 

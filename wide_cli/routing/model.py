@@ -76,7 +76,8 @@ def attach_routers(model, cfg: RoutingConfig, *, static_keep: dict | None = None
                 keep = None if static_keep is None else static_keep.get((i, module))
                 router = StaticRouter(groups, keep)
             else:
-                router = Router(shape.hidden_size, cfg.router_rank, groups, standin=cfg.standin != "none")
+                router = Router(shape.hidden_size, cfg.router_rank, groups, standin=cfg.standin != "none",
+                                standin_rank=cfg.standin_rank)
             setattr(layer, f"router_{module}", router.to(device))
     model.wide_routing = state
     model.register_forward_pre_hook(_capture_valid(state), with_kwargs=True)

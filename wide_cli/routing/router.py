@@ -26,15 +26,24 @@ class Router(nn.Module):
         standin: ``[G, D]`` fp32, only with ``standin=True``: what each group adds to the module
             output when it is skipped (``RoutingConfig.standin``); zeros until initialised from
             the calibration statistics. Absent otherwise, so a model without stand-ins pays nothing.
+        standin_in, standin_out: ``[G, R, D]`` fp32 each, only with ``standin_rank=R > 0``
+            (``lowrank:R`` stand-ins): a skipped group ``g`` adds ``(x @ standin_in[g].T) @
+            standin_out[g]`` of the module's normed input ``x`` to its constant ``standin[g]``
+            (``apply_standin``). Zeros until ``calibrate.lowrank`` fits them.
     """
 
-    def __init__(self, hidden_size: int, rank: int, num_groups: int, *, standin: bool = False):
+    def __init__(self, hidden_size: int, rank: int, num_groups: int, *, standin: bool = False,
+                 standin_rank: int = 0):
         super().__init__()
         self.num_groups = num_groups
         self.compressor = nn.Linear(hidden_size, rank, dtype=torch.float32)
         self.router = nn.Linear(rank, 2 * num_groups, dtype=torch.float32)
-        if standin:
+        if standin or standin_rank:
             self.standin = nn.Parameter(torch.zeros(num_groups, hidden_size, dtype=torch.float32))
+        if standin_rank:
+            shape = (num_groups, int(standin_rank), hidden_size)
+            self.standin_in = nn.Parameter(torch.zeros(shape, dtype=torch.float32))
+            self.standin_out = nn.Parameter(torch.zeros(shape, dtype=torch.float32))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -49,20 +58,36 @@ class Router(nn.Module):
         return logits.view(*hidden.shape[:-1], self.num_groups, 2)
 
 
-def apply_standin(out: torch.Tensor, execute: torch.Tensor, standin: torch.Tensor | None) -> torch.Tensor:
+def apply_standin(out: torch.Tensor, execute: torch.Tensor, standin: torch.Tensor | None,
+                  x: torch.Tensor | None = None, standin_in: torch.Tensor | None = None,
+                  standin_out: torch.Tensor | None = None) -> torch.Tensor:
     """Add the stand-ins of the skipped groups to a module output.
 
     Args:
         out: ``[..., D]`` the module output with skipped groups contributing zero.
         execute: ``[..., G]`` (1 = execute; float with STE gradients, or bool).
         standin: ``[G, D]`` or None (no stand-ins: ``out`` is returned unchanged, no work done).
+        x: ``[..., D_in]`` the module's normed input (read only with the low-rank maps).
+        standin_in, standin_out: ``[G, R, D_in]`` and ``[G, R, D]`` (``lowrank:R``), or None.
     Returns:
-        ``out + (1 - execute) @ standin``, in ``out``'s dtype.
+        ``out + sum_g (1 - execute_g) * (standin_g + (x @ standin_in_g^T) @ standin_out_g)``, computed
+        in fp32 and returned in ``out``'s dtype.
     """
     if standin is None:
         return out
     skipped = 1.0 - execute.to(torch.float32)
-    return out + (skipped @ standin.to(torch.float32)).to(out.dtype)
+    add = skipped @ standin.to(torch.float32)
+    if standin_in is not None:
+        G, R, D_in = standin_in.shape
+        z = x.to(torch.float32) @ standin_in.reshape(G * R, D_in).to(torch.float32).T  # [..., G * R]
+        z = z * skipped.repeat_interleave(R, dim=-1)
+        add = add + z @ standin_out.reshape(G * R, -1).to(torch.float32)
+    return out + add.to(out.dtype)
+
+
+def router_standin(router) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(standin, standin_in, standin_out)`` of a router module (each None where absent)."""
+    return tuple(getattr(router, n, None) for n in ("standin", "standin_in", "standin_out"))
 
 
 class StaticRouter(nn.Module):

@@ -30,6 +30,9 @@ class RouterWeights:
         wr, br: router ``[2G, r]``, ``[2G]``.
         standin: ``[G, D]`` what each skipped group adds to the module output
             (``RoutingConfig.standin``), or None (skipped groups add nothing).
+        standin_in, standin_out: ``[G, R, D]`` each, the low-rank stand-in maps (``lowrank:R``:
+            a skipped group also adds ``(x @ standin_in[g].T) @ standin_out[g]`` of the module's
+            normed input), or None.
     """
 
     wc: torch.Tensor
@@ -37,6 +40,8 @@ class RouterWeights:
     wr: torch.Tensor
     br: torch.Tensor
     standin: torch.Tensor | None = None
+    standin_in: torch.Tensor | None = None
+    standin_out: torch.Tensor | None = None
 
     @property
     def groups(self) -> int:

@@ -266,12 +266,19 @@ def _layer_weights(i, w, D, d, info: RoutingInfo, r_att, r_ffn, window) -> Layer
             keeps[mod] = None if bool(keep.all()) else keep
             continue
         need = {"compressor.weight", "compressor.bias", "router.weight", "router.bias"}
-        if set(t) - {"standin"} != need:
-            raise shape_err(f"router_{mod} tensors {sorted(t)} != {sorted(need)} (+ optional standin)")
+        if set(t) - {"standin", "standin_in", "standin_out"} != need:
+            raise shape_err(f"router_{mod} tensors {sorted(t)} != {sorted(need)} (+ optional standin, "
+                            f"standin_in and standin_out)")
         rw = RouterWeights(t["compressor.weight"], t["compressor.bias"], t["router.weight"], t["router.bias"],
-                           t.get("standin"))
+                           t.get("standin"), t.get("standin_in"), t.get("standin_out"))
         if rw.standin is not None and tuple(rw.standin.shape) != (G, D):
             raise shape_err(f"router_{mod}.standin has shape {tuple(rw.standin.shape)}, expected ({G}, {D})")
+        if (rw.standin_in is None) != (rw.standin_out is None) or (rw.standin_in is not None and rw.standin is None):
+            raise shape_err(f"router_{mod}: standin_in and standin_out come together, with standin")
+        if rw.standin_in is not None:
+            si, so = tuple(rw.standin_in.shape), tuple(rw.standin_out.shape)
+            if len(si) != 3 or si[0] != G or si[2] != D or so != si:
+                raise shape_err(f"router_{mod}.standin_in {si} / standin_out {so}: expected ({G}, R, {D}) both")
         if rw.wc.shape[1] != D or rw.wr.shape[0] != 2 * G or rw.wr.shape[1] != rw.wc.shape[0]:
             raise shape_err(
                 f"router_{mod} shapes compressor {tuple(rw.wc.shape)} router {tuple(rw.wr.shape)} "

@@ -40,7 +40,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "cpu_decode.c"
-ABI = 10
+ABI = 11
 #: Rows of one native step (the C WIDE_MAX_BATCH: a group's rows are one 64-bit set).
 MAX_BATCH = 64
 FMT_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -55,9 +55,10 @@ _P = ctypes.c_void_p
 class _WLayer(ctypes.Structure):
     _fields_ = [(n, _I64) for n in ("H", "Hkv", "d", "ag", "GA", "fg", "GF", "window", "blocked")] + [
         (n, _P) for n in ("qkv", "qkv_s", "o", "o_s", "gu", "gu_s", "down", "down_s", "bqkv", "bo", "ln_attn",
-                          "ln_ffn", "q_norm", "k_norm", "ra_w", "ra_b", "rf_w", "rf_b", "sa", "sf", "keep_a",
-                          "keep_f", "k_cache", "v_cache")
-    ] + [(n, _I64) for n in ("keep_a_stride", "keep_f_stride")]  # fmt: skip
+                          "ln_ffn", "q_norm", "k_norm", "ra_w", "ra_b", "rf_w", "rf_b", "sa", "sf", "sa_in",
+                          "sa_out", "sf_in", "sf_out")
+    ] + [("sr", _I64)] + [(n, _P) for n in ("keep_a", "keep_f", "k_cache", "v_cache")] + [
+        (n, _I64) for n in ("keep_a_stride", "keep_f_stride")]  # fmt: skip
 
 
 class _WModel(ctypes.Structure):
@@ -347,6 +348,12 @@ class NativeDecoder:
             w.ra_w, w.ra_b = (f32(ra[0]), f32(ra[1])) if ra is not None else (None, None)
             w.rf_w, w.rf_b = (f32(rf[0]), f32(rf[1])) if rf is not None else (None, None)
             w.sa, w.sf = f32(m.standins["attention"]), f32(m.standins["ffn"])
+            for mod, pre in (("attention", "sa"), ("ffn", "sf")):
+                maps = m.standin_maps[mod]
+                if maps is not None:
+                    setattr(w, pre + "_in", f32(maps[0]))
+                    setattr(w, pre + "_out", f32(maps[1]))
+                    w.sr = maps[0].shape[1]
             w.keep_a, w.keep_f = self._u8(m.keeps["attention"]), self._u8(m.keeps["ffn"])
         mdl = self.model = _WModel()
         mdl.L, mdl.D, mdl.V = L, rt.hidden_size, rt.vocab_size

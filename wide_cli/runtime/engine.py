@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from wide_cli.routing.router import apply_standin
 from wide_cli.runtime import generation
 from wide_cli.runtime.backend import Backend, Counter, ModelWeights, get_backend
 from wide_cli.runtime.checkpoint import weights_from_export, weights_from_model, weights_from_tensors
@@ -338,12 +339,12 @@ class Runtime:
                 q, kk, vv, head_mask, key_valid=ctx.key_valid, q_offset=ctx.start, scale=scale, window=m.window
             )
         x = x + be.attn_out(p, o.reshape(M, H * d), mflat).view(B, T, D)
-        x = _add_standin(x, ex, m.standins["attention"])
+        x = _add_standin(m, "attention", x, ex, h, self.counter)
         # --- FFN: router on the residual stream after the attention add
         ex = self._decide(m, "ffn", x, ctx)
         h = rms_norm(x, m.ln_ffn, self.eps).reshape(M, D)
         x = x + be.mlp(p, h, None if ex is None else ex.reshape(M, -1)).view(B, T, D)
-        return _add_standin(x, ex, m.standins["ffn"])
+        return _add_standin(m, "ffn", x, ex, h, self.counter)
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, valid: torch.Tensor | None, cache: KVCache, *,
@@ -465,9 +466,19 @@ class Runtime:
                                    prefill_chunk=prefill_chunk)  # fmt: skip
 
 
-def _add_standin(x: torch.Tensor, execute: torch.Tensor | None, standin: torch.Tensor | None) -> torch.Tensor:
-    """``x [B, T, D] + (~execute) @ standin`` (fp32 product, like the routed HF layer), or ``x``
-    untouched when the module has no stand-ins or ran dense."""
+def _add_standin(m, module: str, x: torch.Tensor, execute: torch.Tensor | None, h: torch.Tensor,
+                 counter: Counter) -> torch.Tensor:
+    """``x [B, T, D]`` plus the stand-ins of ``module``'s skipped groups (``routing.router.apply_standin``,
+    the routed HF layer's own function: fp32 products), reading the module's normed input ``h
+    [B * T, D]`` for low-rank stand-ins; ``x`` untouched when the module has no stand-ins or ran dense.
+    Low-rank maps run for every group and token and are masked afterwards, so ``counter`` gets
+    their multiply-adds and fp32 bytes in full."""
+    standin = m.standins[module]
     if standin is None or execute is None:
         return x
-    return x + ((~execute).to(torch.float32) @ standin).to(x.dtype)
+    maps = m.standin_maps[module]
+    if maps is None:
+        return apply_standin(x, execute, standin)
+    counter.macs += 2 * h.shape[0] * maps[0].numel()
+    counter.weight_bytes += 2 * maps[0].numel() * maps[0].element_size()
+    return apply_standin(x, execute, standin, h.view(x.shape), *maps)

@@ -28,6 +28,7 @@ class LayerMeta:
     k_norm: torch.Tensor | None
     routers: dict  # module -> (w [G, D], b [G]) fp32 from fold_router, or None
     standins: dict  # module -> [G, D] fp32 stand-in of each skipped group, or None
+    standin_maps: dict  # module -> (w_in [G, R, D], w_out [G, R, D]) fp32 low-rank stand-in maps, or None
     keeps: dict  # module -> [G] bool, or None
     window: int | None
 
@@ -54,6 +55,10 @@ def layer_meta(lw: LayerWeights, device: torch.device, dtype: torch.dtype) -> La
         routers={"attention": r(lw.router_attention), "ffn": r(lw.router_ffn)},
         standins={mod: None if rw is None or rw.standin is None else rw.standin.to(device, torch.float32)
                   for mod, rw in (("attention", lw.router_attention), ("ffn", lw.router_ffn))},
+        standin_maps={mod: None if rw is None or rw.standin_in is None else
+                      (rw.standin_in.to(device, torch.float32).contiguous(),
+                       rw.standin_out.to(device, torch.float32).contiguous())
+                      for mod, rw in (("attention", lw.router_attention), ("ffn", lw.router_ffn))},
         keeps={"attention": k(lw.keep_attention), "ffn": k(lw.keep_ffn)},
         window=lw.window,
     )  # fmt: skip
