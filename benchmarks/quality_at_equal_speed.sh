@@ -12,6 +12,7 @@
 #     hybrid-1.35x static-depth-lora-1.35x dynamic-depth-1.35x dynamic-depth-1.35x-cost0.72
 #     static-depth-1.35x static-width-1.35x
 #     hybrid-1.35x-seed1 static-depth-lora-1.35x-seed1      (the ~1.35x pair again with --seed 1)
+#     hybrid-1.35x-lowrank8                                 (the ~1.35x hybrid with rank-8 low-rank stand-ins)
 #     demo-recipe                                           (`make demo`'s recipe, timed beside the pair)
 #   measuring (each reads the exports the training steps left in runs/):
 #     quality-pair    quality-others    quality-seed1-wikitext    quality-seed1
@@ -102,6 +103,8 @@ for step in "$@"; do
       prune h4c83s400r1 --method wide --drop-layers 4 --cost-target 0.83 "${LEVERS[@]}" --seed 1 ;;
     static-depth-lora-1.35x-seed1)
       prune sd79s400r1 --method static-depth --cost-target 0.79 "${HEAL[@]}" --seed 1 ;;
+    hybrid-1.35x-lowrank8)  # the same with low-rank stand-ins: the trained mean plus a rank-8 map of the input
+      prune h4c83s400lr8 --method wide --drop-layers 4 --cost-target 0.83 "${LEVERS[@]}" --standin lowrank:8 ;;
     demo-recipe)  # `make demo`'s training on its own data (pydoc + 480 transcripts), timed with the pair
       [ -f runs/demo-h4/export/manifest.json ] ||
         $WIDE prune smollm2-135m --recipe recipes/smollm2-135m-cpu.toml --run-dir runs/demo-h4 --out runs/demo-h4/export ;;

@@ -71,6 +71,17 @@ def test_sizes_parameters_settings_and_stored_sparsity(exports):
         assert d["parameters"]["total"] == n_routers + n_backbone
 
 
+def test_settings_name_the_standins_and_count_their_maps(exports, tmp_path):
+    from tests._exports import feature_model
+
+    model, wc = feature_model(standin="lowrank:4")
+    export_model(model, char_tokenizer(), tmp_path / "e", wide_config=wc)
+    r = inspect_export(tmp_path / "e")
+    assert r.settings["stand-ins"] == "lowrank:4"
+    assert r.parameters["routers"] == sum(t.numel() for t in router_state_dict(model).values())
+    assert "stand-ins" not in inspect_export(exports["wide"]).settings  # none: no row
+
+
 def test_measured_on_text_is_the_same_for_both_formats_and_differs_from_stored(exports):
     a = inspect_export(exports["wide"], text=TEXT, text_name="t.txt", seq_len=64)
     b = inspect_export(exports["hf"], text=TEXT, text_name="t.txt", seq_len=64)

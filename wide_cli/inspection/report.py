@@ -64,6 +64,8 @@ def settings_of(wc: dict) -> dict:
         "ffn group size": lay.get("ffn_group_size", r.get("ffn_group_size")),
         "groups (attention/ffn)": f"{lay.get('attn_groups', '-')}/{lay.get('ffn_groups', '-')}" if lay else None,
         "router rank": r.get("router_rank") if info.routing_method in ("wide", "dynamic-depth") else None,
+        "stand-ins": (r.get("standin") if info.routing_method in ("wide", "dynamic-depth")
+                      and r.get("standin") not in (None, "none") else None),
         "sparsity target": (f"{r['sparsity_attention']}/{r['sparsity_ffn']} (attention/ffn)"
                             if r.get("sparsity_attention") is not None else r.get("sparsity")),
         "train steps": tr.get("steps"),
@@ -74,8 +76,8 @@ def settings_of(wc: dict) -> dict:
     }
     sd = info.static_depth
     if sd:  # a plain smaller model: no groups, routers or sparsity target
-        for k in ("attn group size", "ffn group size", "groups (attention/ffn)", "router rank", "sparsity target",
-                  "train steps"):
+        for k in ("attn group size", "ffn group size", "groups (attention/ffn)", "router rank", "stand-ins",
+                  "sparsity target", "train steps"):
             out.pop(k, None)
         out["removed layers"] = f"{sd['removed']} ({len(sd['removed'])} of {sd['num_layers']})"
         out["cost target / reached"] = f"{sd['cost_target']} / {sd['cost_fraction']:.3f} of dense {sd['cost_metric']}"
