@@ -15,16 +15,16 @@
 #     hybrid-1.35x-lowrank8                                 (the ~1.35x hybrid with rank-8 low-rank stand-ins)
 #     demo-recipe                                           (`make demo`'s recipe, timed beside the pair)
 #   measuring (each reads the exports the training steps left in runs/):
-#     quality-pair    quality-others    quality-seed1-wikitext    quality-seed1
-#     speed-pair      speed-others      speed-seed1               (run these on a quiet machine)
-#     rows-pair       rows-others       rows-seed1                (quality + training report + speed -> one JSON)
+#     quality-pair    quality-others    quality-seed1-wikitext    quality-seed1    quality-lowrank
+#     speed-pair      speed-others      speed-seed1      speed-lowrank    (run these on a quiet machine)
+#     rows-pair       rows-others       rows-seed1       rows-lowrank     (quality + training report + speed -> one JSON)
 #     report          the page's table, report.json and pareto.png from the rows files
 # The committed numbers: the training steps (two side by side, one thread each), then quality-pair,
 # speed-pair, rows-pair for the ~1.35x pair and dense, quality-others, speed-others, rows-others for
 # the other rows, then report. The seed-1 pair: its two training steps, then quality-seed1-wikitext.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n '9,23p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '9,24p' "$0"; exit 2; }
 WIDE=${WIDE:-.venv/bin/wide}
 PY=${PY:-.venv/bin/python}
 STEPS=${STEPS:-400}
@@ -117,6 +117,12 @@ for step in "$@"; do
       QUALITY_TASKS=wikitext quality runs/eval-cache-wt runs/h4c83s400r1/export runs/sd79s400r1/export ;;
     quality-seed1)
       quality runs/eval-cache-500 runs/h4c83s400r1/export runs/sd79s400r1/export ;;
+    quality-lowrank)
+      quality runs/eval-cache-500 runs/h4c83s400lr8/export ;;
+    speed-lowrank)  # dense, the low-rank hybrid and `make demo`'s export (the demo recipe, as in speed-pair)
+      speed lowrank ;;
+    rows-lowrank)
+      rows lowrank h4c83s400lr8 ;;
     speed-pair)  # dense, the ~1.35x pair and the demo recipe's export
       speed pair-1.35x ;;
     speed-others)  # dense and the other nine models
