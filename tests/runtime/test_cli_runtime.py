@@ -156,9 +156,19 @@ def test_bench_weight_bytes_come_from_the_cost_model():
     wb = weight_bytes(weights, 2)
     direct = sum(p.numel() for n, p in model.named_parameters() if "router" not in n and "embed" not in n)
     assert sum(wb.values()) == 2 * (direct + model.config.hidden_size)  # + one embedding row
-    cm = cost_model(model_shape(model.config), metric="decode_bytes")
+    shape = model_shape(model.config)
+    cm = cost_model(shape, metric="decode_bytes", attn_group_size=2, ffn_group_size=32)
     assert decode_cost(weights) == cm
-    assert decode_cost(weights).speedup_bound({"attention": 0.5, "ffn": 0.5}) > 1.0
+    half = {"attention": 0.5, "ffn": 0.5}
+    # without low-rank stand-ins the per-group model is the per-module one
+    assert decode_cost(weights).speedup_bound(half) == pytest.approx(
+        cost_model(shape, metric="decode_bytes").speedup_bound(half))
+    low = tiny_model("llama")
+    attach_routers(low, RoutingConfig(attn_group_size=2, ffn_group_size=32, standin="lowrank:4"))
+    lw, _ = weights_from_model(low)
+    assert decode_cost(lw) == cost_model(shape, metric="decode_bytes", attn_group_size=2, ffn_group_size=32,
+                                         standin_rank=4)
+    assert 1.0 < decode_cost(lw).speedup_bound(half) < decode_cost(weights).speedup_bound(half)
 
 
 def test_generate_runs_a_dense_model_spec_and_side_by_side(tiny_export):

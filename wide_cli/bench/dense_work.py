@@ -6,12 +6,23 @@ from __future__ import annotations
 from wide_cli.runtime.backend import ModelWeights
 
 
+def _routing_kw(weights: ModelWeights) -> dict:
+    """``cost_model``'s group sizes and low-rank stand-in rank, read from the first layer's
+    weights (a skipped group's stand-in maps are charged against what it saves)."""
+    lw = weights.layers[0]
+    rank = 0
+    for rw in (lw.router_attention, lw.router_ffn):
+        if rw is not None and rw.standin_in is not None:
+            rank = int(rw.standin_in.shape[1])
+    return {"attn_group_size": lw.attn_group_size, "ffn_group_size": lw.ffn_group_size, "standin_rank": rank}
+
+
 def decode_cost(weights: ModelWeights):
     """The ``decode_bytes`` cost model (``wide_cli.cost``) of a model held as runtime weights."""
     from wide_cli.cost import cost_model, shape_of_layers
 
     shape = shape_of_layers(weights.layers, weights.embed.shape[0], weights.embed.shape[1])
-    return cost_model(shape, metric="decode_bytes")
+    return cost_model(shape, metric="decode_bytes", **_routing_kw(weights))
 
 
 def flops_cost(weights: ModelWeights, context_len: float):
@@ -19,7 +30,7 @@ def flops_cost(weights: ModelWeights, context_len: float):
     from wide_cli.cost import cost_model, shape_of_layers
 
     shape = shape_of_layers(weights.layers, weights.embed.shape[0], weights.embed.shape[1])
-    return cost_model(shape, metric="flops", context_len=context_len)
+    return cost_model(shape, metric="flops", context_len=context_len, **_routing_kw(weights))
 
 
 def dense_macs(weights: ModelWeights, phase: str, batch: int, prompt_len: int, new_tokens: int) -> float:
