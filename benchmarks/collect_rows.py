@@ -29,8 +29,9 @@ for run in runs:
     tasks = {k: v["summary_value"] for k, v in res.items() if k != "wikitext"}
     row = {"name": run, "method": q["method"], "wikitext_ppl": res["wikitext"]["summary_value"],
            "wikitext_pages": res["wikitext"]["dataset"]["n_documents"],
-           "task_avg": sum(tasks.values()) / len(tasks), "tasks": tasks,
-           "task_limit": next(iter(res[k]["dataset"]["limit"] for k in tasks)),
+           # a WikiText-2-only evaluation (QUALITY_TASKS=wikitext) has no task average
+           "task_avg": sum(tasks.values()) / len(tasks) if tasks else None, "tasks": tasks,
+           "task_limit": next(iter(res[k]["dataset"]["limit"] for k in tasks), None),
            "flops": q["flops"]["relative"], "sparsity": q["sparsity"]}
     report = Path("runs", f"{run}.json")
     if report.is_file():
@@ -52,6 +53,7 @@ print("| run | method | WikiText-2 ppl | task avg % | held-out ppl | FLOPs | dec
 print("|---|---|---|---|---|---|---|---|")
 for r in rows:
     method = r["method"] + (f" + {r['drop_layers']} layers dropped" if r.get("drop_layers") else "")
-    print(f"| {r['name']} | {method} | {r['wikitext_ppl']:.2f} | {100 * r['task_avg']:.2f} | "
+    avg = "-" if r["task_avg"] is None else f"{100 * r['task_avg']:.2f}"
+    print(f"| {r['name']} | {method} | {r['wikitext_ppl']:.2f} | {avg} | "
           f"{r.get('heldout_ppl', dense_heldout):.2f} | {r['flops']:.3f} | "
           f"{r.get('decode_speedup', float('nan')):.2f} | {r.get('prefill_speedup', float('nan')):.2f} |")

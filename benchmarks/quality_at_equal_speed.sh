@@ -72,7 +72,7 @@ speed() {  # $1 = name of the targets/speed files in $OUT
 
 rows() {  # $1 = name of the speed/rows files in $OUT, rest = runs (or the dense model spec) in table order
   local name=$1; shift
-  $PY benchmarks/collect_rows.py runs/eval-cache-500 "$OUT/$name-speed.json" "$OUT/$name.json" "$@"
+  $PY benchmarks/collect_rows.py "${EVAL_CACHE:-runs/eval-cache-500}" "$OUT/$name-speed.json" "$OUT/$name.json" "$@"
 }
 
 for step in "$@"; do
@@ -117,8 +117,8 @@ for step in "$@"; do
       QUALITY_TASKS=wikitext quality runs/eval-cache-wt runs/h4c83s400r1/export runs/sd79s400r1/export ;;
     quality-seed1)
       quality runs/eval-cache-500 runs/h4c83s400r1/export runs/sd79s400r1/export ;;
-    quality-lowrank)
-      quality runs/eval-cache-500 runs/h4c83s400lr8/export ;;
+    quality-lowrank)  # QUALITY_TASKS=wikitext EVAL_CACHE=runs/eval-cache-wt: WikiText-2 alone (rows-lowrank then reads it)
+      quality "${EVAL_CACHE:-runs/eval-cache-500}" runs/h4c83s400lr8/export ;;
     speed-lowrank)  # dense, the low-rank hybrid and `make demo`'s export (the demo recipe, as in speed-pair)
       speed lowrank ;;
     rows-lowrank)
