@@ -83,8 +83,8 @@ typedef struct {
     const float *ln_attn, *ln_ffn, *q_norm, *k_norm; /* fp32; q/k norms [d] or NULL */
     const float *ra_w, *ra_b, *rf_w, *rf_b;    /* folded routers [G, D], [G] or NULL */
     const float *sa, *sf;                      /* stand-ins [G, D] or NULL */
-    const float *sa_in, *sa_out, *sf_in, *sf_out; /* low-rank stand-in maps [G, sr, D] or NULL */
-    int64_t sr;                                /* their rank R (0: none) */
+    const float *sa_in, *sa_out, *sf_in, *sf_out; /* low-rank stand-in maps [G, R, D] or NULL */
+    int64_t sa_r, sf_r;                        /* their ranks R, per module (0: none) */
     const uint8_t *keep_a, *keep_f;            /* static execute masks [G] or NULL */
     void *k_cache, *v_cache;                   /* [B, Hkv, S_max, d] in the compute dtype */
     int64_t keep_a_stride, keep_f_stride;      /* bytes between batch rows' keep masks (0: one for all) */
@@ -1241,6 +1241,19 @@ static int64_t add_standins(const float *st, const float *si, const float *so, i
     return macs;
 }
 
+/* Bytes of the low-rank stand-in maps (fp32 [R][D] in and out per group) one step reads: those of
+ * every group that some live row of the batch skips, once for all of them. */
+static int64_t standin_map_bytes(int64_t R, const uint8_t *ex, int64_t B, uint64_t live, int64_t G, int64_t D) {
+    if (R == 0) return 0;
+    int64_t n = 0;
+    for (int64_t j = 0; j < G; j++) {
+        int skipped = 0;
+        for (int64_t b = 0; b < B && !skipped; b++) skipped = (live >> b & 1) && !ex[b * G + j];
+        n += skipped;
+    }
+    return n * 2 * R * D * (int64_t)sizeof(float);
+}
+
 /* HF rotate_half RoPE on one head x[d] with tables cs, sn [d / 2]. */
 static void rope(float *x, int64_t d, const float *cs, const float *sn, int64_t bf16) {
     int64_t h = d / 2;
@@ -1510,10 +1523,10 @@ static void layer_step(WCtx *c, const WModel *m, int64_t li, int64_t B, float *x
         if (!(live >> b & 1)) continue;
         float *x = X(b), *y = Y(b);
         for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
-        int64_t sm = add_standins(L->sa, L->sa_in, L->sa_out, L->sr, exa + b * GA, GA, D, bf, H_(b), x, TMP(b));
-        cnt[CNT_MACS] += sm;
-        cnt[CNT_WEIGHT_BYTES] += sm * (int64_t)sizeof(float);
+        cnt[CNT_MACS] += add_standins(L->sa, L->sa_in, L->sa_out, L->sa_r, exa + b * GA, GA, D, bf, H_(b), x,
+                                      TMP(b));
     }
+    cnt[CNT_WEIGHT_BYTES] += standin_map_bytes(L->sa_in ? L->sa_r : 0, exa, B, live, GA, D);
 
     /* FFN: routers on the residual streams after the attention add (hid holds their logits) */
     float *hs[WIDE_MAX_BATCH], *hids[WIDE_MAX_BATCH];
@@ -1531,10 +1544,10 @@ static void layer_step(WCtx *c, const WModel *m, int64_t li, int64_t B, float *x
         if (!(live >> b & 1)) continue;
         float *x = X(b), *y = Y(b);
         for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
-        int64_t sm = add_standins(L->sf, L->sf_in, L->sf_out, L->sr, exf + b * GF, GF, D, bf, H_(b), x, TMP(b));
-        cnt[CNT_MACS] += sm;
-        cnt[CNT_WEIGHT_BYTES] += sm * (int64_t)sizeof(float);
+        cnt[CNT_MACS] += add_standins(L->sf, L->sf_in, L->sf_out, L->sf_r, exf + b * GF, GF, D, bf, H_(b), x,
+                                      TMP(b));
     }
+    cnt[CNT_WEIGHT_BYTES] += standin_map_bytes(L->sf_in ? L->sf_r : 0, exf, B, live, GF, D);
 #undef X
 #undef H_
 #undef Y
@@ -1889,7 +1902,7 @@ int64_t wide_decode_layout(int64_t *out, int64_t cap) {
         WL(H), WL(Hkv), WL(d), WL(ag), WL(GA), WL(fg), WL(GF), WL(window), WL(blocked), WL(qkv), WL(qkv_s), WL(o),
         WL(o_s), WL(gu), WL(gu_s), WL(down), WL(down_s), WL(bqkv), WL(bo), WL(ln_attn), WL(ln_ffn), WL(q_norm),
         WL(k_norm), WL(ra_w), WL(ra_b), WL(rf_w), WL(rf_b), WL(sa), WL(sf), WL(sa_in), WL(sa_out),
-        WL(sf_in), WL(sf_out), WL(sr), WL(keep_a), WL(keep_f), WL(k_cache),
+        WL(sf_in), WL(sf_out), WL(sa_r), WL(sf_r), WL(keep_a), WL(keep_f), WL(k_cache),
         WL(v_cache), WL(keep_a_stride), WL(keep_f_stride),
         WM(L), WM(D), WM(V), WM(max_len), WM(wfmt), WM(act_bf16), WM(head_fmt), WM(routing), WM(nthreads), WM(eps),
         WM(rope_scale), WM(inv_freq), WM(embed), WM(final_norm), WM(head), WM(head_s), WM(layers),

@@ -32,7 +32,9 @@ routed cost only: per router ``2 * (D * r + r * 2G)`` FLOPs, ``D * r + r * 2G`` 
 
 Low-rank stand-ins (``lowrank:R``) run in place of a skipped group, so each skip saves the group's
 cost minus its stand-in's: ``2 * 2 * R * D`` FLOPs (``x @ V_g^T``, then ``@ U_g``) and ``2 * R * D``
-weight elements. The constant stand-in vectors (``D`` adds per skipped group) are not counted.
+fp32 elements, which weigh ``4 / itemsize`` weight elements when the weights are ``itemsize``
+bytes each (``weight_itemsize``; fp32 weights when not given). The constant stand-in vectors (``D``
+adds per skipped group) are not counted.
 
 Skip fractions are per (layer, module): the share of (token, group) decisions that skip. The
 routed cost is linear in them, so the *cost-weighted skip fraction* of a set of masks is
@@ -258,6 +260,7 @@ def cost_model(
     context_len: float | None = None,
     router_rank: int | None = None,
     standin_rank: int = 0,
+    weight_itemsize: float | None = None,
 ) -> CostModel:
     """The cost model of ``shape`` (see the module docstring).
 
@@ -270,6 +273,8 @@ def cost_model(
             from ``seq_len`` as ``(seq_len + 1) / 2``; neither = 0, i.e. the core is not counted).
         router_rank: router bottleneck r, to count router overhead (None = not counted).
         standin_rank: R of ``lowrank:R`` stand-ins (0 = constant or no stand-ins, free).
+        weight_itemsize: bytes per weight (``decode_bytes``: the fp32 stand-in maps count
+            ``4 / weight_itemsize`` weight elements each; None = 4, fp32 weights).
 
     Raises:
         ValueError: unknown metric, or a group size that does not divide its axis.
@@ -305,7 +310,8 @@ def cost_model(
         r = int(router_rank)
         r_att = per_router * (D * r + r * 2 * Ga)
         r_ffn = per_router * (D * r + r * 2 * Gf)
-    standin = (4.0 if metric == "flops" else 2.0) * int(standin_rank) * D
+    map_weight = 4.0 / float(weight_itemsize) if weight_itemsize else 1.0  # the maps are read as fp32
+    standin = (4.0 if metric == "flops" else 2.0 * map_weight) * int(standin_rank) * D
     return CostModel(metric, L, Ga, Gf, attn_group, ffn_group, layer_floor, model_floor, r_att, r_ffn, C, standin)
 
 

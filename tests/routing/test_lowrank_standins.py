@@ -120,6 +120,27 @@ def test_fit_recovers_an_output_that_is_a_low_rank_map_of_the_input():
         fit_group_maps(mom, W, w, 6)
 
 
+def test_fit_minimises_the_output_error_under_the_input_covariance():
+    """With a group of higher rank than R, the fit's squared output error over the calibration
+    tokens is below that of truncating the least-squares map's SVD without weighting by the input
+    covariance (what a fit that ignores how the inputs are spread would keep)."""
+    g = torch.Generator().manual_seed(3)
+    D, w, N, R = 10, 6, 6000, 2
+    x = torch.randn(N, D, generator=g) * torch.logspace(1, -1, D)  # strongly anisotropic inputs
+    a = x @ torch.randn(D, w, generator=g) + 0.05 * torch.randn(N, w, generator=g)
+    W = torch.randn(D, w, generator=g)
+    mom = _Moments(D, w)
+    mom.add(x, a)
+    _, v, u = fit_group_maps(mom, W, w, R, ridge=1e-8)
+    xc = (x - x.mean(0)).double()
+    y = (a - a.mean(0)).double() @ W.double().T
+    fitted = float(((xc @ (v[0].T @ u[0]).double() - y) ** 2).sum())
+    full = torch.linalg.lstsq(xc, (a - a.mean(0)).double()).solution @ W.double().T  # [D, D]
+    left, s, right = torch.linalg.svd(full)
+    plain = left[:, :R] * s[:R] @ right[:R]
+    assert fitted < 0.9 * float(((xc @ plain - y) ** 2).sum())
+
+
 def test_fitted_standins_predict_the_skipped_output_better_than_the_mean():
     """On a tiny model, for every routed group: the fitted low-rank stand-in's squared error on the
     group's output over calibration tokens is at most the mean stand-in's (it is a least-squares fit
@@ -149,3 +170,55 @@ def test_fitted_standins_predict_the_skipped_output_better_than_the_mean():
             mean_err = float(((y - y.mean(0)) ** 2).sum())
             pred = r.standin[j] + (x @ r.standin_in[j].T) @ r.standin_out[j]
             assert float(((y - pred) ** 2).sum()) < mean_err
+            # centred: on the calibration tokens the stand-in averages to the group's mean output
+            torch.testing.assert_close(pred.mean(0), y.mean(0), atol=1e-4, rtol=0)
+
+
+def test_fit_in_several_passes_equals_one_pass():
+    model = tiny_model("llama", seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        attach_routers(model, RoutingConfig(attn_group_size=2, ffn_group_size=32, standin="lowrank:4"))
+    ids = torch.randint(5, 100, (4, 32), generator=torch.Generator().manual_seed(2))
+
+    def fitted(max_bytes):
+        fit_lowrank_standins(model, ids, max_moment_bytes=max_bytes)
+        return {n: p.detach().clone() for n, p in model.named_parameters() if ".standin" in n}
+
+    one, many = fitted(1 << 40), fitted(1)  # one pass; one module a pass
+    assert one.keys() == many.keys() and len(one) == 2 * 2 * 3
+    for n in one:
+        torch.testing.assert_close(many[n], one[n], atol=1e-6, rtol=1e-5)
+
+
+def test_router_maps_start_as_the_constant_alone_and_both_sides_get_gradients():
+    r = Router(8, 4, 3, standin_rank=2)
+    assert float(r.standin_out.detach().abs().sum()) == 0 and float(r.standin_in.detach().abs().sum()) > 0
+    x = torch.randn(5, 8)
+    out = apply_standin(torch.zeros(5, 8), torch.zeros(5, 3), r.standin, x, r.standin_in, r.standin_out)
+    torch.testing.assert_close(out, r.standin.sum(0).expand(5, 8))
+    (out * torch.randn(5, 8)).sum().backward()
+    assert float(r.standin_out.grad.abs().sum()) > 0  # the input side then follows
+
+
+@pytest.mark.parametrize("value", ["lowrank:\u00b2", "lowrank:-1", "lowrank:4.0"])
+def test_a_rank_that_is_not_a_plain_integer_is_refused(value):
+    with pytest.raises(ConfigError, match="needs a rank >= 1"):
+        RoutingConfig(standin=value)
+
+
+def test_prune_reports_the_cost_its_cost_model_charged():
+    """``measured_cost`` (what `wide prune` prints against the target) charges the stand-ins."""
+    from wide_cli.pipeline.prune import measured_cost
+    from wide_cli.pipeline.settings import settings_from_dict
+
+    model = tiny_model("llama")
+    half = {"attention": 0.5, "ffn": 0.5}
+    costs = {}
+    for standin in ("trained", "lowrank:8"):
+        s = settings_from_dict({"model": {"name": "tiny-llama"},
+                                "routing": {"attn_group_size": 2, "ffn_group_size": 32, "standin": standin}})
+        costs[standin] = measured_cost(s, model.config, half, 16)["flops"]
+    cfg = RoutingConfig(attn_group_size=2, ffn_group_size=32, standin="lowrank:8")
+    assert costs["lowrank:8"] == pytest.approx(cfg.cost_model(model_shape(model.config), 16).relative(half))
+    assert costs["lowrank:8"] > costs["trained"]

@@ -598,8 +598,8 @@ def test_routed_rows_take_any_mask_layout_and_refuse_bad_shapes():
 @pytest.mark.parametrize("p_skip", [0.5, 1.0])
 def test_native_step_runs_lowrank_standins_as_the_reference(fmt, p_skip, random_masks):
     """``lowrank:4`` stand-ins (a constant plus a rank-4 map of the module's normed input per
-    skipped group) in the native step, one row and a batch of two, against the reference backend;
-    each skipped group's maps count ``2 R D`` multiply-adds and their fp32 bytes."""
+    skipped group) in the native step against the reference backend, one row and a batch of two
+    rows with different prompts and masks (each row maps its own normed input)."""
     from tests._exports import feature_model
 
     model, _ = feature_model(standin="lowrank:4", seed=2)
@@ -611,18 +611,45 @@ def test_native_step_runs_lowrank_standins_as_the_reference(fmt, p_skip, random_
     got, _ = _decode(nat, ids, toks, steps)
     assert isinstance(nat._native, cpu_native.NativeDecoder)
     torch.testing.assert_close(got, want, atol=_atol(fmt, want), rtol=0)
-    # the maps' work, counted: one decode step with every group skipped
-    macs = {}
-    for label, skip in (("every group", False), ("none", True)):
-        nat.forced = {k: torch.full_like(v, not skip) for k, v in nat.forced.items()}
-        cache = nat.new_cache(1, 8)
-        nat.step(_prompt(3), None, cache)
-        nat.counter.reset()
-        nat.step(torch.tensor([[9]]), None, cache)
-        macs[label] = nat.counter.macs
-    groups = sum(m.attn_groups + m.ffn_groups for m in nat.meta)
+    ids2 = torch.cat([_prompt(12, seed=7), _prompt(12, seed=8)])
+    ref.forced = nat.forced = random_masks(model, 2, 12 + steps + 1, p_skip, seed=4)
+    caches = [rt.new_cache(2, 32) for rt in (ref, nat)]
+    lg = [rt.step(ids2, None, c) for rt, c in zip((ref, nat), caches)]
+    for _ in range(steps):
+        t = lg[0].argmax(-1, keepdim=True)
+        lg = [rt.step(t, None, c) for rt, c in zip((ref, nat), caches)]
+        torch.testing.assert_close(lg[1], lg[0], atol=_atol(fmt, lg[0]), rtol=0)
+
+
+def test_native_step_counts_the_lowrank_maps_it_runs():
+    """Every group skipped against every group executed, one decode step: the skipped groups'
+    multiply-adds and fp32 bytes are traded for their maps' ``2 R D`` each (ranks differ per
+    module: 4 for attention, 2 for the FFN), the maps of a group read once for all rows."""
+    from tests._exports import feature_model
+
+    model, _ = feature_model(standin="lowrank:4", seed=2)
+    with torch.no_grad():  # the FFN's maps at rank 2: each module carries its own rank
+        for layer in model.model.layers:
+            r = layer.router_ffn
+            r.standin_in = torch.nn.Parameter(r.standin_in[:, :2].clone())
+            r.standin_out = torch.nn.Parameter(r.standin_out[:, :2].clone())
+    nat = Runtime.from_model(model, backend="cpu", weight_format="fp32")
+    D = nat.hidden_size
+    counts = {}
+    for B in (1, 2):
+        for execute in (True, False):
+            nat.forced = {(i, mod): torch.full((B, 16, m.attn_groups if mod == "attention" else m.ffn_groups), execute)
+                          for i, m in enumerate(nat.meta) for mod in ("attention", "ffn")}
+            cache = nat.new_cache(B, 16)
+            nat.step(_prompt(3).expand(B, -1), None, cache)
+            nat.counter.reset()
+            nat.step(torch.full((B, 1), 9), None, cache)
+            assert isinstance(nat._native, cpu_native.NativeDecoder)
+            counts[(B, execute)] = (nat.counter.macs, nat.counter.weight_bytes)
     routed = sum(m.attn_groups * m.attn_group_size * m.head_dim * 2 + m.ffn_groups * m.ffn_group_size * 3
-                 for m in nat.meta) * nat.hidden_size  # Q rows + O columns, gate + up + down
-    R, D = 4, nat.hidden_size
-    # skipping every group trades the groups' multiply-adds for their stand-in maps' 2 R D each
-    assert macs["every group"] - macs["none"] == routed - groups * 2 * R * D
+                 for m in nat.meta) * D  # Q rows + O columns, gate + up + down
+    maps = sum(m.attn_groups * 2 * 4 + m.ffn_groups * 2 * 2 for m in nat.meta) * D
+    for B in (1, 2):
+        (mac_on, bytes_on), (mac_off, bytes_off) = counts[(B, True)], counts[(B, False)]
+        assert mac_on - mac_off == B * (routed - maps)
+        assert bytes_on - bytes_off == 4 * (routed - maps)  # a batch reads each group's weights or maps once

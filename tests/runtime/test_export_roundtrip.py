@@ -69,3 +69,27 @@ def test_static_width_export_uses_keep_masks(tmp_path, write_export):
     torch.testing.assert_close(rt.forward(ids), want, atol=1e-4, rtol=0)
     s = rt.stats.summary()
     assert s["attention"] == pytest.approx(0.5) and s["ffn"] == pytest.approx(0.25)
+
+
+def test_lowrank_standin_maps_of_the_wrong_shape_are_refused(tmp_path):
+    """The export's ``standin_in`` / ``standin_out`` must be ``[G, R, D]`` both, with ``standin``:
+    anything else is one error naming the layer and the tensors, before any step runs."""
+    from safetensors.torch import load_file, save_file
+
+    from tests._exports import feature_model
+    from wide_cli.export import export_model
+    from wide_cli.models.tiny import char_tokenizer
+
+    model, wc = feature_model(standin="lowrank:4")
+    export_model(model, char_tokenizer(), tmp_path / "exp", wide_config=wc)
+    Runtime.from_export(tmp_path / "exp")  # as written: loads
+    key = "model.layers.1.router_ffn.standin_out"
+    for change, needle in ((lambda t: t.pop(key), "standin_in and standin_out come together"),
+                           (lambda t: t.__setitem__(key, t[key][:, :3].contiguous()),
+                            r"router_ffn.standin_in \(4, 4, 64\) / standin_out \(4, 3, 64\)")):
+        t = load_file(str(tmp_path / "exp" / "routers.safetensors"))
+        change(t)
+        save_file(t, str(tmp_path / "exp" / "routers.safetensors"))
+        with pytest.raises(CheckpointError, match=needle):
+            Runtime.from_export(tmp_path / "exp", verify=False)
+        export_model(model, char_tokenizer(), tmp_path / "exp", wide_config=wc)

@@ -17,12 +17,14 @@ def _routing_kw(weights: ModelWeights) -> dict:
     return {"attn_group_size": lw.attn_group_size, "ffn_group_size": lw.ffn_group_size, "standin_rank": rank}
 
 
-def decode_cost(weights: ModelWeights):
-    """The ``decode_bytes`` cost model (``wide_cli.cost``) of a model held as runtime weights."""
+def decode_cost(weights: ModelWeights, itemsize: float | None = None):
+    """The ``decode_bytes`` cost model (``wide_cli.cost``) of a model held as runtime weights, in
+    units of one weight of ``itemsize`` bytes (the fp32 stand-in maps weigh ``4 / itemsize`` each;
+    None: as fp32 weights)."""
     from wide_cli.cost import cost_model, shape_of_layers
 
     shape = shape_of_layers(weights.layers, weights.embed.shape[0], weights.embed.shape[1])
-    return cost_model(shape, metric="decode_bytes", **_routing_kw(weights))
+    return cost_model(shape, metric="decode_bytes", weight_itemsize=itemsize, **_routing_kw(weights))
 
 
 def flops_cost(weights: ModelWeights, context_len: float):
@@ -50,5 +52,6 @@ def weight_bytes(weights: ModelWeights, itemsize: float) -> dict:
     (``wide_cli.cost``, ``decode_bytes``): ``{attention_routed, ffn_routed, dense}``."""
     cm = decode_cost(weights)
     L = cm.num_layers
+    dense = cm.model_floor + L * cm.layer_floor  # a dense step runs no stand-in
     return {"attention_routed": L * cm.module_cost("attention") * itemsize,
-            "ffn_routed": L * cm.module_cost("ffn") * itemsize, "dense": cm.floor * itemsize}
+            "ffn_routed": L * cm.module_cost("ffn") * itemsize, "dense": dense * itemsize}

@@ -86,7 +86,6 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                 systems[(label, s, fmt)] = RuntimeSystem(runtime_for(s, fmt), True, cfg.forced_sparsity, cfg.seed)
         if s == "llama.cpp":
             llama_types = list(cfg.llama_cpp_types)
-    dcost = decode_cost(weights)
 
     quality = {}
     if cfg.ppl_tokens:
@@ -172,10 +171,11 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                         frac = (work + routers) / dense
                         skips = work < dense * (1 - 1e-9)
                     ideal = None
+                    itemsize = {**BYTES_PER_WEIGHT, **GGUF_BYTES_PER_WEIGHT}[fmt]
+                    dcost = decode_cost(weights, itemsize)
                     if skips and sp_short:
                         ideal = (dcost.speedup_bound(sp_short) if phase == "decode"
                                  else flops_cost(weights, (L + 1) / 2).speedup_bound(sp_short))  # fmt: skip
-                    itemsize = {**BYTES_PER_WEIGHT, **GGUF_BYTES_PER_WEIGHT}[fmt]
                     wb = sum(weight_bytes(weights, itemsize).values())
                     wb_step = wb / (dcost.speedup_bound(sp_short) if sp_short else 1.0)
                     counted = bytes_read.get(key)

@@ -8,7 +8,7 @@ A skipped group ``g`` of a module with normed input ``x [D]`` then contributes (
 
 the constant being the group's mean output (``standin_vectors``, FLAP's bias compensation) and the
 map a reduced-rank regression of the centred output on the centred input: the low-rank remainder of
-R-Sparse (arXiv 2504.19449) and SoLA (arXiv 2503.07025), fitted per group. The group's output is
+R-Sparse (arXiv 2504.19449) and SoLA, fitted per group. The group's output is
 ``y_g = a_g @ W_g^T`` where ``a_g [w]`` is its slice of the ``o_proj`` / ``down_proj`` input and
 ``W_g [D, w]`` the matching columns, so with input covariance ``C = cov(x)`` (ridge-damped), the
 least-squares predictor of ``a_g`` is ``B_g = C^-1 cov(x, a_g)`` ``[D, w]`` and the map
@@ -101,8 +101,14 @@ def fit_group_maps(mom: _Moments, w_out: torch.Tensor, width: int, rank: int, *,
     return (torch.stack(shift).float(), torch.stack(vs).float(), torch.stack(us).float())
 
 
+#: Host memory the float64 moments of one calibration pass may take: a model whose routed modules
+#: need more (Llama-3.1-8B: ~0.9 GB a layer) is fitted over several passes of the same tokens.
+MAX_MOMENT_BYTES = 2 << 30
+
+
 @torch.no_grad()
 def fit_lowrank_standins(model, batches: torch.Tensor, *, batch_size: int = 4, max_tokens: int = 8192,
+                         max_moment_bytes: int = MAX_MOMENT_BYTES,
                          progress: Callable[[int, int], None] | None = None) -> int:
     """Set every learned router's low-rank stand-in (``standin_in`` / ``standin_out``) to the
     rank-R fit of its group's output (module docstring), and its constant ``standin`` to the
@@ -112,18 +118,66 @@ def fit_lowrank_standins(model, batches: torch.Tensor, *, batch_size: int = 4, m
         model: a routed model (``attach_routers`` with ``standin lowrank:R``), any dtype; it runs
             with every group executed (the routers' decisions are not used).
         batches: ``[N, T]`` int64 packed token ids (the training data; never evaluation data).
-        batch_size: sequences per forward pass. max_tokens: stop after this many tokens.
+        batch_size: sequences per forward pass. max_tokens: use the first sequences up to this many
+            tokens.
+        max_moment_bytes: the float64 moments of one pass stay under this many bytes (layers are
+            fitted in as many passes over the same tokens as that takes; at least one layer a pass).
         progress: called as ``progress(done, total)`` after each forward pass.
 
     Returns:
         The number of calibration tokens the fit used.
     """
-    from wide_cli.calibrate.statistics import _backbone
     from wide_cli.routing.model import decoder_layers
 
-    state = model.wide_routing
-    layout = state.layout
     layers = decoder_layers(model)
+    routed = []  # (layer, module, router, first projection, output projection, group width)
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for module, first, last, unit in (("attention", attn.q_proj, attn.o_proj, attn.head_dim),
+                                          ("ffn", mlp.gate_proj, mlp.down_proj, 1)):
+            r = getattr(layer, f"router_{module}", None)
+            if getattr(r, "standin_in", None) is None:
+                continue
+            gs = model.wide_routing.layout.attn_group_size if module == "attention" else \
+                model.wide_routing.layout.ffn_group_size
+            routed.append((i, module, r, first, last, gs * unit))
+    if not routed:
+        return 0
+    passes, cur, size = [], [], 0
+    for item in routed:  # float64: x x^T [D, D] and x a^T [D, K] dominate
+        last = item[4]
+        need = 8 * last.weight.shape[0] * (last.weight.shape[0] + last.weight.shape[1])
+        if cur and size + need > max_moment_bytes:
+            passes.append(cur)
+            cur, size = [], 0
+        cur.append(item)
+        size += need
+    passes.append(cur)
+    per = max(1, int(batches.shape[1]))
+    n_seq = min(batches.shape[0], max(1, -(-int(max_tokens) // per)))
+    tokens = 0
+    for group in passes:
+        moments = _collect(model, batches[:n_seq], group, batch_size, progress)
+        for i, module, r, _, last, width in group:
+            mom = moments.pop((i, module))
+            shift, v, u = fit_group_maps(mom, last.weight, width, r.standin_in.shape[1])
+            mean_a = (mom.sa / mom.n).float()
+            W = last.weight.detach().float().cpu()
+            mean_out = torch.stack([W[:, g * width:(g + 1) * width] @ mean_a[g * width:(g + 1) * width]
+                                    for g in range(W.shape[1] // width)])
+            r.standin.copy_((mean_out - shift).to(r.standin))
+            r.standin_in.copy_(v.to(r.standin_in))
+            r.standin_out.copy_(u.to(r.standin_out))
+            tokens = mom.n
+    return int(tokens)
+
+
+def _collect(model, batches: torch.Tensor, group: list, batch_size: int,
+             progress: Callable[[int, int], None] | None) -> dict[tuple[int, str], _Moments]:
+    """One dense pass over ``batches``: the moments of the modules in ``group``."""
+    from wide_cli.calibrate.statistics import _backbone
+
+    state = model.wide_routing
     moments: dict[tuple[int, str], _Moments] = {}
     inputs: dict[tuple[int, str], torch.Tensor] = {}
     handles = []
@@ -141,28 +195,17 @@ def fit_lowrank_standins(model, batches: torch.Tensor, *, batch_size: int = 4, m
             moments[key].add(x, a)
         return hook
 
-    routed = []
-    for i, layer in enumerate(layers):
-        for module, first, last in (("attention", layer.self_attn.q_proj, layer.self_attn.o_proj),
-                                    ("ffn", layer.mlp.gate_proj, layer.mlp.down_proj)):
-            r = getattr(layer, f"router_{module}", None)
-            if getattr(r, "standin_in", None) is None:
-                continue
-            routed.append((i, module, r, last))
-            handles.append(first.register_forward_pre_hook(keep_input((i, module))))
-            handles.append(last.register_forward_pre_hook(accumulate((i, module))))
-    if not routed:
-        return 0
+    for i, module, _, first, last, _ in group:
+        handles.append(first.register_forward_pre_hook(keep_input((i, module))))
+        handles.append(last.register_forward_pre_hook(accumulate((i, module))))
     device = next(model.parameters()).device
-    per = max(1, int(batches.shape[1]))
-    n_seq = min(batches.shape[0], max(1, -(-int(max_tokens) // per)))
-    starts = list(range(0, n_seq, batch_size))
+    starts = list(range(0, batches.shape[0], batch_size))
     mode, was_training = state.mode, model.training
     state.set_mode("dense")
     model.eval()
     try:
         for done, s in enumerate(starts, start=1):
-            _backbone(model)(input_ids=batches[s: min(s + batch_size, n_seq)].to(device), use_cache=False)
+            _backbone(model)(input_ids=batches[s: s + batch_size].to(device), use_cache=False)
             if progress is not None:
                 progress(done, len(starts))
     finally:
@@ -170,16 +213,4 @@ def fit_lowrank_standins(model, batches: torch.Tensor, *, batch_size: int = 4, m
             h.remove()
         state.set_mode(mode)
         model.train(was_training)
-    for i, module, r, last in routed:
-        gs = layout.attn_group_size if module == "attention" else layout.ffn_group_size
-        width = gs * (layers[i].self_attn.head_dim if module == "attention" else 1)
-        mom = moments[(i, module)]
-        shift, v, u = fit_group_maps(mom, last.weight, width, r.standin_in.shape[1])
-        mean_a = (mom.sa / mom.n).float()
-        W = last.weight.detach().float().cpu()
-        mean_out = torch.stack([W[:, g * width:(g + 1) * width] @ mean_a[g * width:(g + 1) * width]
-                                for g in range(W.shape[1] // width)])
-        r.standin.copy_((mean_out - shift).to(r.standin))
-        r.standin_in.copy_(v.to(r.standin_in))
-        r.standin_out.copy_(u.to(r.standin_out))
-    return int(next(iter(moments.values())).n)
+    return moments

@@ -143,7 +143,7 @@ def measured_cost(settings: Settings, config, sparsity: dict, seq_len: int, *, s
 
     ``static_depth``: a static-depth run's layer selection (``num_layers`` of the source,
     ``removed``); its cost is that of the shorter dense model against the source (no routers)."""
-    from wide_cli.cost import cost_model, static_depth_export_cost
+    from wide_cli.cost import static_depth_export_cost
     from wide_cli.models.arch import model_shape
 
     shape = model_shape(config)
@@ -153,7 +153,8 @@ def measured_cost(settings: Settings, config, sparsity: dict, seq_len: int, *, s
         out = {"flops": flops["relative"], "decode_bytes": 1.0 / decode_bound}
     else:
         # a hybrid's routed layers are a fraction of its source: scale to the whole source model
-        out = {m: cost_model(shape, metric=m, seq_len=seq_len).relative(sparsity)
+        # the routing's own cost model (its groups and low-rank stand-ins): what training aimed at
+        out = {m: dataclasses.replace(rc, cost_metric=m).cost_model(shape, seq_len).relative(sparsity)
                * dataclasses.replace(rc, cost_metric=m).depth_fraction(shape, seq_len)
                for m in ("flops", "decode_bytes")}
     target = settings.routing.cost_target

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -35,7 +36,7 @@ def parse_standin(value: str) -> tuple[str, int]:
         return v, 0
     if v.startswith(LOWRANK_PREFIX):
         r = v[len(LOWRANK_PREFIX):]
-        if not r.isdigit() or int(r) < 1:
+        if not re.fullmatch(r"[0-9]+", r) or int(r) < 1:
             raise ConfigError(f"standin {v!r} needs a rank >= 1 after {LOWRANK_PREFIX!r}", "use e.g. lowrank:8")
         return "lowrank", int(r)
     raise ConfigError(f"unknown standin {v!r}", f"choose one of {', '.join(STANDINS)} or lowrank:R (e.g. lowrank:8)")

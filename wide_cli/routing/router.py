@@ -29,7 +29,8 @@ class Router(nn.Module):
         standin_in, standin_out: ``[G, R, D]`` fp32 each, only with ``standin_rank=R > 0``
             (``lowrank:R`` stand-ins): a skipped group ``g`` adds ``(x @ standin_in[g].T) @
             standin_out[g]`` of the module's normed input ``x`` to its constant ``standin[g]``
-            (``apply_standin``). Zeros until ``calibrate.lowrank`` fits them.
+            (``apply_standin``). Until ``calibrate.lowrank`` fits them: ``standin_in``
+            kaiming-uniform, ``standin_out`` zeros (the map adds nothing, and both get gradients).
     """
 
     def __init__(self, hidden_size: int, rank: int, num_groups: int, *, standin: bool = False,
@@ -50,6 +51,12 @@ class Router(nn.Module):
         for lin in (self.compressor, self.router):
             nn.init.kaiming_uniform_(lin.weight, nonlinearity="linear")
             nn.init.zeros_(lin.bias)
+        if hasattr(self, "standin_in"):
+            # zero maps would be a saddle (neither gets a gradient): start the input side random,
+            # the output side at zero, so the stand-in starts as the constant alone
+            G, R, D = self.standin_in.shape
+            nn.init.kaiming_uniform_(self.standin_in.data.view(G * R, D), nonlinearity="linear")
+            nn.init.zeros_(self.standin_out)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [B, T, D]`` (any float dtype) -> logits ``[B, T, G, 2]`` fp32."""

@@ -57,7 +57,7 @@ class _WLayer(ctypes.Structure):
         (n, _P) for n in ("qkv", "qkv_s", "o", "o_s", "gu", "gu_s", "down", "down_s", "bqkv", "bo", "ln_attn",
                           "ln_ffn", "q_norm", "k_norm", "ra_w", "ra_b", "rf_w", "rf_b", "sa", "sf", "sa_in",
                           "sa_out", "sf_in", "sf_out")
-    ] + [("sr", _I64)] + [(n, _P) for n in ("keep_a", "keep_f", "k_cache", "v_cache")] + [
+    ] + [("sa_r", _I64), ("sf_r", _I64)] + [(n, _P) for n in ("keep_a", "keep_f", "k_cache", "v_cache")] + [
         (n, _I64) for n in ("keep_a_stride", "keep_f_stride")]  # fmt: skip
 
 
@@ -353,7 +353,7 @@ class NativeDecoder:
                 if maps is not None:
                     setattr(w, pre + "_in", f32(maps[0]))
                     setattr(w, pre + "_out", f32(maps[1]))
-                    w.sr = maps[0].shape[1]
+                    setattr(w, pre + "_r", maps[0].shape[1])
             w.keep_a, w.keep_f = self._u8(m.keeps["attention"]), self._u8(m.keeps["ffn"])
         mdl = self.model = _WModel()
         mdl.L, mdl.D, mdl.V = L, rt.hidden_size, rt.vocab_size
