@@ -120,6 +120,101 @@ def test_int4_requantizing_dequantized_weights_is_exact():
     assert torch.equal(dequantize_int4(*quantize_int4(v)), v)
 
 
+def _weights_and_importance(seed=5):
+    """``w [24, 128]`` of mixed row scales (an all-zero row, a row below bf16's range in one block)
+    and an importance ``[128]`` spanning six decades, with a zero channel and a zero block."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(24, 128, generator=g) * torch.logspace(-3, 1, 24)[:, None]
+    w[3] = 0.0
+    w[4, :32] = 1e-41
+    imp = torch.logspace(-3, 3, 128)[torch.randperm(128, generator=g)]
+    imp[7] = 0.0
+    imp[96:] = 0.0
+    return w, imp
+
+
+def _weighted_sse(w, v, imp):
+    return ((w - v).square() * imp).reshape(w.shape[0], -1, 32).sum(-1)
+
+
+@pytest.mark.parametrize("imp", [1.0, 2.0])
+def test_int4_with_uniform_importance_and_no_refit_is_the_plain_rule(imp):
+    w, _ = _weights_and_importance()
+    plain = quantize_int4(w)
+    got = quantize_int4(w, importance=torch.full((128,), imp), refit=False)
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+
+
+def test_int4_with_importance_bounds_and_beats_the_plain_rule_block_by_block():
+    w, imp = _weights_and_importance()
+    packed, s = quantize_int4(w, importance=imp)
+    assert packed.shape == (24, 64) and s.shape == (24, 4) and s.dtype == torch.float32
+    assert torch.equal(s, s.bfloat16().float()) and bool((s != 0).all()) and bool(torch.isfinite(s).all())
+    q = unpack_int4(packed)
+    v = dequantize_int4(packed, s)
+    inside = (q > -8) & (q < 7)  # not clipped: rounding error only
+    err = (w - v).abs()
+    step = s.abs().repeat_interleave(32, dim=1)
+    assert bool((err[inside] <= step[inside] / 2 * (1 + 1e-6) + 1e-30).all())
+    assert bool((q[3] == 0).all()) and float(v[4, :32].abs().max()) == 0.0
+    plain = dequantize_int4(*quantize_int4(w))
+    mine, theirs = _weighted_sse(w, v, imp), _weighted_sse(w, plain, imp)
+    assert bool((mine <= theirs * (1 + 1e-5) + 1e-30).all()) and float(mine.sum()) < float(theirs.sum())
+    # a block of zero importance is decided by the unweighted error: never worse than the plain rule
+    ones = torch.ones(128)
+    assert bool((_weighted_sse(w, v, ones)[:, 3] <= _weighted_sse(w, plain, ones)[:, 3] * (1 + 1e-5) + 1e-30).all())
+
+
+def test_int4_with_importance_lowers_the_output_error():
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(64, 256, generator=g) * 0.02
+    x = torch.randn(512, 256, generator=g) * torch.logspace(-2, 1, 256)[torch.randperm(256, generator=g)]
+    imp = x.square().mean(0)
+    out = x @ w.T
+    e_plain = float((out - x @ dequantize_int4(*quantize_int4(w)).T).square().sum())
+    e_imp = float((out - x @ dequantize_int4(*quantize_int4(w, importance=imp)).T).square().sum())
+    assert e_imp < 0.8 * e_plain, (e_imp, e_plain)
+
+
+def test_int4_values_chosen_with_importance_are_kept_by_the_plain_rule():
+    # the checkpoint reader and the runtime re-quantize dequantized values with the plain rule
+    w, imp = _weights_and_importance()
+    packed, s = quantize_int4(w, importance=imp)
+    q = unpack_int4(packed).reshape(24, 4, 32)
+    nonzero = q.abs().amax(-1) > 0
+    assert bool((q.abs().amax(-1)[nonzero] >= 7).all())
+    v = dequantize_int4(packed, s)
+    assert torch.equal(dequantize_int4(*quantize_int4(v)), v)
+    again = quantize_int4(v)
+    assert torch.equal(again[0], packed) and torch.equal(again[1], s)
+
+
+@pytest.mark.parametrize("bad,phrase", [
+    (torch.ones(64), r"shape \(64,\), expected \[128\]"),
+    (torch.ones(1, 128), r"shape \(1, 128\)"),
+    (torch.ones(128, dtype=torch.int64), "dtype torch.int64"),
+    (torch.full((128,), -1.0), "negative or non-finite"),
+    (torch.tensor([float("nan")] + [1.0] * 127), "negative or non-finite"),
+    (torch.tensor([float("inf")] + [1.0] * 127), "negative or non-finite"),
+])  # fmt: skip
+def test_int4_refuses_bad_importance(bad, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        quantize_int4(torch.randn(4, 128), importance=bad)
+
+
+def test_importance_is_refused_for_int8_and_for_names_the_model_lacks():
+    from wide_cli.quant import int4_values_state_dict, quantize, quantize_state_dict
+
+    with pytest.raises(ValueError, match="only int4"):
+        quantize(torch.randn(4, 64), "int8", torch.ones(64))
+    with pytest.raises(ValueError, match="only int4"):
+        quantize_state_dict({}, attn_cols=64, ffn_group_size=32, fmt="int8", importance={})
+    with pytest.raises(ValueError, match="not tensors of this model"):
+        int4_values_state_dict({"a.weight": torch.zeros(2, 32)}, {"b.weight": torch.ones(32)})
+    with pytest.raises(ValueError, match=r"importance of a.weight has shape \(16,\)"):
+        int4_values_state_dict({"a.weight": torch.zeros(2, 32)}, {"a.weight": torch.ones(16)})
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_blocks_below_the_bf16_range_get_a_usable_scale(fmt):
     from wide_cli.quant import dequantize, quantize
@@ -343,6 +438,49 @@ def test_quantized_export_round_trip(fmt, routed_model, write_export, tmp_path):
             assert torch.equal(pa.q, pb.q) and torch.equal(pa.s, pb.s)
     ids = torch.tensor(_prompts([9]))
     torch.testing.assert_close(rt.forward(ids), want.forward(ids), atol=0, rtol=0)
+
+
+def test_int4_export_with_importance_round_trip(routed_model, write_export, tmp_path):
+    """An int4 export whose scales were chosen with an importance matrix: stored in the same
+    tensors, loaded back to the same values the runtime builds in memory from the same importance,
+    and not the plain rule's values."""
+    from safetensors.torch import load_file
+
+    from wide_cli.calibrate.importance import collect_importance
+    from wide_cli.export import export_model
+    from wide_cli.models.tiny import char_tokenizer
+    from wide_cli.quant import dequantize_int4
+
+    model = routed_model("llama")
+    plain_path = _quantized_export(model, tmp_path / "plain", write_export, "int4")
+    imp = collect_importance(model, torch.tensor(_prompts([16] * 6)), batch_size=3)
+    wc = json.loads((plain_path / "wide_config.json").read_text())
+    wc = {k: wc[k] for k in ("method", "routing", "layout", "measured_sparsity", "source_model")}
+    path = tmp_path / "imp"
+    export_model(model, char_tokenizer(), path, wide_config=wc, weight_format="int4", importance=imp,
+                 importance_info={"tokens": 96, "data": "test prompts"})
+    cfg = json.loads((path / "wide_config.json").read_text())["weight_format"]
+    assert cfg["format"] == "int4" and cfg["importance"] == {"tokens": 96, "data": "test prompts"}
+    st, st_plain = load_file(str(path / "model.safetensors")), load_file(str(plain_path / "model.safetensors"))
+    assert {k: (v.dtype, v.shape) for k, v in st.items()} == {k: (v.dtype, v.shape) for k, v in st_plain.items()}
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(dequantize_int4(st[name], st[name + "_scale"]),
+                           dequantize_int4(st_plain[name], st_plain[name + "_scale"]))
+    rt = Runtime.from_export(path)
+    want = Runtime.from_model(model, backend="cpu", weight_format="int4", importance=imp)
+    for a, b in zip(rt.layers, want.layers):
+        for pa, pb in ((a.qkv, b.qkv), (a.o, b.o), (a.gu, b.gu), (a.down, b.down)):
+            assert torch.equal(pa.q, pb.q) and torch.equal(pa.s, pb.s)
+    ids = torch.tensor(_prompts([9]))
+    torch.testing.assert_close(rt.forward(ids), want.forward(ids), atol=0, rtol=0)
+
+
+def test_runtime_importance_needs_int4_and_a_model_not_an_export(routed_model, tiny_export):
+    model = routed_model("llama")
+    with pytest.raises(ConfigError, match="importance weights int4 scales"):
+        Runtime.from_model(model, weight_format="int8", importance={})
+    with pytest.raises(ConfigError, match="is an export"):
+        Runtime.from_target(tiny_export, weight_format="int4", importance={})
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

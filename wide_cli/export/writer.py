@@ -77,6 +77,8 @@ def export_model(
     max_shard_size: str = "2GB",
     export_format: str = "wide",
     weight_format: str = "fp32",
+    importance: dict | None = None,
+    importance_info: dict | None = None,
 ) -> ExportResult:
     """Export a routed model (LoRA already merged) to ``out_dir``, atomically.
 
@@ -89,6 +91,11 @@ def export_model(
         wide_config: method settings, measured sparsity, source model, metrics... stored as
             ``wide_config.json`` (``format``, ``format_version``, ``wide_version``, ``export_id``
             and ``created`` are added here).
+        importance: with ``weight_format`` ``int4``: HF weight name -> ``[K]`` mean squared input
+            (``calibrate/importance.py``), which weights the choice of those tensors' scales
+            (``quant.quantize_int4``); None = the plain rule. Same bytes either way.
+        importance_info: what ``importance`` was collected on (tokens, data), recorded in
+            ``wide_config.json`` under ``weight_format.importance``.
 
     Raises:
         CheckpointError: a router or backbone tensor with NaN/Inf.
@@ -119,7 +126,7 @@ def export_model(
             qsd = quantize_state_dict(
                 {k: v.float() for k, v in backbone.items()},
                 attn_cols=st.layout.attn_group_size * st.shape.head_dim, ffn_group_size=st.layout.ffn_group_size,
-                fmt=weight_format,
+                fmt=weight_format, importance=importance,
             )  # fmt: skip
             if getattr(model.config, "tie_word_embeddings", False):
                 qsd = {k: v for k, v in qsd.items() if not k.startswith("lm_head.")}
@@ -131,6 +138,8 @@ def export_model(
             if routers:
                 save_file(routers, str(tmp / ROUTERS_FILE), metadata={"format": "pt", "wide_export_id": export_id})
             extra = {"weight_format": {"format": weight_format, "scheme": SCHEMES[weight_format]}}
+            if importance is not None:
+                extra["weight_format"]["importance"] = importance_info or {}
         else:
             model.save_pretrained(tmp, state_dict=backbone, max_shard_size=max_shard_size)
             tokenizer.save_pretrained(tmp)

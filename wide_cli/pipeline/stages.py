@@ -184,11 +184,20 @@ def _is_standin(name: str) -> bool:
 
 # ----------------------------------------------------------------------------- measure
 # ----------------------------------------------------------------------------- export
+#: Training tokens the importance matrix of an int4 export is collected on (``calibrate/importance.py``):
+#: what the SmolLM2-135M measurement used (64 sequences of 512, docs/results/weight-format-perplexity.md).
+IMPORTANCE_TOKENS = 32768
+
+
 def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: dict | None = None,
-           export_format: str = "wide", weight_format: str = "fp32", check_destination: bool = True):
+           export_format: str = "wide", weight_format: str = "fp32", check_destination: bool = True,
+           importance: bool = True):
     """Write the deployable export of the run to ``out`` (atomic), with sparsity measured on
     the held-out split; ``export_format`` is ``wide`` or ``hf``, ``weight_format`` ``fp32``,
-    ``int8`` or ``int4`` (see ``export/writer.py``).
+    ``int8`` or ``int4`` (see ``export/writer.py``). With ``int4`` and ``importance``, each block's
+    scale is chosen by the importance-weighted error (``quant.quantize_int4``), the importance
+    collected on the exported model over up to ``IMPORTANCE_TOKENS`` tokens of the run's training
+    split (the calibration data); ``importance=False`` keeps the plain rule.
     Returns the ExportResult.
 
     Raises:
@@ -246,9 +255,17 @@ def export(settings: Settings, run: RunDir, out: Path, *, loaded=None, metrics: 
         "settings": shareable_settings(settings.to_dict()),
         "metrics": metrics or {},
     }
+    imp = imp_info = None
+    if weight_format == "int4" and importance:
+        from wide_cli.calibrate.importance import collect_importance
+
+        seqs = packed.train[: max(1, IMPORTANCE_TOKENS // packed.train.shape[1])]
+        imp = collect_importance(model, seqs, batch_size=settings.eval.batch_size)
+        imp_info = {"tokens": int(seqs.numel()), "data": "training split of " + shareable(settings.data.train),
+                    "statistic": "mean squared input per channel of each quantized matrix"}
     try:
         return export_model(model, loaded.tokenizer, Path(out), wide_config=wide_config, export_format=export_format,
-                            weight_format=weight_format)
+                            weight_format=weight_format, importance=imp, importance_info=imp_info)
     except Exception as e:  # only failed writes are turned into a user error; the rest propagates
         reason = _write_failure(e)
         if reason is None:

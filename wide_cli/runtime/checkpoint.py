@@ -294,8 +294,12 @@ def _layer_weights(i, w, D, d, info: RoutingInfo, r_att, r_ffn, window) -> Layer
     )  # fmt: skip
 
 
-def weights_from_model(model) -> tuple[ModelWeights, bool]:
+def weights_from_model(model, importance: dict | None = None) -> tuple[ModelWeights, bool]:
     """Read an in-memory Hugging Face model (routed by ``attach_routers``, or plain).
+
+    ``importance`` (HF weight name -> ``[K]``, ``calibrate/importance.py``): the tensors it names
+    are read as their importance-weighted int4 values (``quant.int4_values_state_dict``), which the
+    runtime's int4 format keeps as they are.
 
     Returns:
         ``(weights, routed)``: routed is False for a plain model, ``dense`` method, or routing
@@ -305,6 +309,10 @@ def weights_from_model(model) -> tuple[ModelWeights, bool]:
 
     state = getattr(model, "wide_routing", None)
     tensors, routers = split_router_tensors(model.state_dict())
+    if importance is not None:
+        from wide_cli.quant import int4_values_state_dict
+
+        tensors = int4_values_state_dict(tensors, importance)
     if state is None:
         info, routed = RoutingInfo(), False
     else:

@@ -215,16 +215,23 @@ class Runtime:
 
     @classmethod
     def from_target(cls, target, *, backend: Backend | str = "cpu", dtype=None, routing: bool = True,
-                    weight_format: str | None = None) -> Runtime:
+                    weight_format: str | None = None, importance: dict | None = None) -> Runtime:
         """An export directory (``from_export``), or any model spec ``load_model`` accepts (alias
         such as ``smollm2-135m``, local Hugging Face directory, ``.gguf``), run dense.
+        ``importance``: see ``from_model`` (not for an export, whose int4 values are stored).
 
         Raises:
             CheckpointError: a broken export. ModelSourceError: an unknown or unsupported model.
+            ConfigError: ``importance`` for an export, or without ``weight_format="int4"``.
         """
         from wide_cli.export import is_export
 
         if is_export(target):
+            if importance is not None:
+                from wide_cli.errors import ConfigError
+
+                raise ConfigError(f"{target} is an export: its int4 scales were chosen when it was written",
+                                  "export with `wide export --weights int4` (importance on by default) instead")
             return cls.from_export(target, backend=backend, dtype=dtype, routing=routing, weight_format=weight_format)
         from wide_cli.models.loader import load_model
 
@@ -232,17 +239,30 @@ class Runtime:
         if weight_format is None:
             dtype = dtype or torch.float32
         return cls.from_model(lm.model, lm.tokenizer, backend=backend, dtype=dtype, routing=False,
-                              weight_format=weight_format)
+                              weight_format=weight_format, importance=importance)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, *, backend: Backend | str = "cpu", dtype=None,
-                   routing: bool | None = None, weight_format: str | None = None) -> Runtime:
+                   routing: bool | None = None, weight_format: str | None = None,
+                   importance: dict | None = None) -> Runtime:
         """Read an in-memory Hugging Face model (routed by ``attach_routers`` or plain).
 
         ``routing=None`` follows the model: routed unless it has no routers or its routing mode
-        is ``dense``. The dtype defaults to the model's.
+        is ``dense``. The dtype defaults to the model's. ``importance`` (HF weight name -> ``[K]``
+        mean squared input, ``calibrate.importance.collect_importance`` on training data) chooses
+        the int4 scales of the tensors it names by the importance-weighted error
+        (``quant.quantize_int4``); None keeps the plain rule.
+
+        Raises:
+            ConfigError: ``importance`` without ``weight_format="int4"``.
+            ValueError: an ``importance`` entry that does not fit its tensor, or names no tensor.
         """
-        weights, routed = weights_from_model(model)
+        if importance is not None and weight_format != "int4":
+            from wide_cli.errors import ConfigError
+
+            raise ConfigError(f"importance weights int4 scales; weight_format is {weight_format!r}",
+                              "pass weight_format='int4', or drop importance")
+        weights, routed = weights_from_model(model, importance)
         if dtype is None and weight_format is None:
             dtype = next(model.parameters()).dtype
         return cls(weights, backend, dtype=dtype, tokenizer=tokenizer, routing=routed if routing is None else routing,

@@ -185,6 +185,10 @@ def export_cmd(
         "--weights", help="fp32 (default) | int8 | int4: store int8 (Q8_0-like) or int4 (Q4_0-like) projections "
         "with their scales for the runtime (`wide generate` / `wide bench`; --format wide), or Q8_0 / Q4_0 "
         "matrices with --format gguf (F16 otherwise).")] = "fp32",
+    importance: Annotated[bool, typer.Option(
+        "--importance/--no-importance", help="With --weights int4: choose each block's scale by the error weighted "
+        "with the inputs' mean squares on the run's training data (same bytes, lower perplexity); "
+        "--no-importance keeps the plain rule.")] = True,
     threads: options.ThreadsOpt = None,
     json_out: options.JsonOpt = False,
 ):
@@ -223,7 +227,8 @@ def export_cmd(
         return
     dest = out or run.default_export
     with run_lock(run):
-        res = stages.export(settings, run, dest, export_format=export_format, weight_format=weights)
+        res = stages.export(settings, run, dest, export_format=export_format, weight_format=weights,
+                            importance=importance)
     render.log(f"exported {len(res.files)} files ({res.bytes / 1e6:.1f} MB) to {res.path}")
     if json_out:
         render.emit_json({"export_dir": str(res.path), "files": res.files, "bytes": res.bytes,
