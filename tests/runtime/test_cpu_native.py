@@ -61,14 +61,21 @@ def _pair(model, fmt: str, **kw) -> tuple[Runtime, Runtime]:
 @pytest.mark.parametrize("p_skip", [0.0, 0.5, 1.0])
 def test_native_step_matches_reference_backend(fmt, p_skip, routed_model, random_masks):
     model = routed_model("qwen2")  # q/k/v biases: a bias must not leak into skipped groups
+    _against_reference(model, fmt, _prompt(20), 8, random_masks(model, 1, 20 + 8 + 1, p_skip, seed=6))
+
+
+def _against_reference(model, fmt: str, ids: torch.Tensor, steps: int, masks: dict) -> tuple[Runtime, Runtime]:
+    """Decode ``steps`` tokens after ``ids`` on the reference backend and on the native step under
+    the same forced ``masks`` (the native one teacher-forced with the reference's tokens); assert
+    the native step ran and its logits are within the format's tolerance. Returns (reference, native)."""
     ref = Runtime.from_model(model, backend="reference", weight_format=fmt)
     nat = Runtime.from_model(model, backend="cpu", weight_format=fmt)
-    ids, steps = _prompt(20), 8
-    ref.forced = nat.forced = random_masks(model, 1, 20 + steps + 1, p_skip, seed=6)
+    ref.forced = nat.forced = masks
     want, toks = _decode(ref, ids, None, steps)
     got, _ = _decode(nat, ids, toks, steps)
     assert isinstance(nat._native, cpu_native.NativeDecoder)
     torch.testing.assert_close(got, want, atol=_atol(fmt, want), rtol=0)
+    return ref, nat
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral-window"])
@@ -603,14 +610,8 @@ def test_native_step_runs_lowrank_standins_as_the_reference(fmt, p_skip, random_
     from tests._exports import feature_model
 
     model, _ = feature_model(standin="lowrank:4", seed=2)
-    ref = Runtime.from_model(model, backend="reference", weight_format=fmt)
-    nat = Runtime.from_model(model, backend="cpu", weight_format=fmt)
-    ids, steps = _prompt(12), 6
-    ref.forced = nat.forced = random_masks(model, 1, 12 + steps + 1, p_skip, seed=3)
-    want, toks = _decode(ref, ids, None, steps)
-    got, _ = _decode(nat, ids, toks, steps)
-    assert isinstance(nat._native, cpu_native.NativeDecoder)
-    torch.testing.assert_close(got, want, atol=_atol(fmt, want), rtol=0)
+    steps = 6
+    ref, nat = _against_reference(model, fmt, _prompt(12), steps, random_masks(model, 1, 12 + steps + 1, p_skip, seed=3))
     ids2 = torch.cat([_prompt(12, seed=7), _prompt(12, seed=8)])
     ref.forced = nat.forced = random_masks(model, 2, 12 + steps + 1, p_skip, seed=4)
     caches = [rt.new_cache(2, 32) for rt in (ref, nat)]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from wide_cli.calibrate.statistics import calibration_pass
 from wide_cli.quant import export_groups
 
 
@@ -64,33 +65,22 @@ def collect_importance(
 
         return fn
 
-    handles = []
+    hooks = []
     for name, mod in lm.model.named_modules(prefix="model"):
         wname = name + ".weight"
         if isinstance(mod, torch.nn.Linear) and export_groups(wname, attn_cols=0, ffn_group_size=0) is not None:
-            handles.append(mod.register_forward_pre_hook(hook(wname)))
+            hooks.append((mod, hook(wname)))
     head = torch.zeros(lm.config.hidden_size, dtype=torch.float64)
-    device = next(model.parameters()).device
-    starts = list(range(0, batches.shape[0], batch_size))
-    if max_batches is not None:
-        starts = starts[: max(0, int(max_batches))]
-    tokens = 0
-    was_training = model.training
-    model.eval()
-    try:
-        for done, s in enumerate(starts, start=1):
-            chunk = batches[s : s + batch_size].to(device)
-            # the decoder stack only: the LM head's input is its final-normed output, and the
-            # [B, T, vocab] logits would dominate memory
-            h = lm.model(input_ids=chunk, use_cache=False).last_hidden_state  # [B, T, D]
-            head += h.float().reshape(-1, h.shape[-1]).square().sum(0).double().cpu()
-            tokens += chunk.numel()
-            if progress is not None:
-                progress(done, len(starts))
-    finally:
-        for hd in handles:
-            hd.remove()
-        model.train(was_training)
+
+    def forward(chunk):
+        nonlocal head
+        # the decoder stack only: the LM head's input is its final-normed output, and the
+        # [B, T, vocab] logits would dominate memory
+        h = lm.model(input_ids=chunk, use_cache=False).last_hidden_state  # [B, T, D]
+        head += h.float().reshape(-1, h.shape[-1]).square().sum(0).double().cpu()
+
+    tokens = calibration_pass(model, batches, hooks, batch_size=batch_size, max_batches=max_batches,
+                              progress=progress, forward=forward)
     out = {n: (s / tokens).float() for n, s in sums.items()}
     out["lm_head.weight"] = (head / tokens).float()
     if getattr(lm.config, "tie_word_embeddings", False):

@@ -175,12 +175,11 @@ def fit_lowrank_standins(model, batches: torch.Tensor, *, batch_size: int = 4, m
 def _collect(model, batches: torch.Tensor, group: list, batch_size: int,
              progress: Callable[[int, int], None] | None) -> dict[tuple[int, str], _Moments]:
     """One dense pass over ``batches``: the moments of the modules in ``group``."""
-    from wide_cli.calibrate.statistics import _backbone
+    from wide_cli.calibrate.statistics import calibration_pass
 
     state = model.wide_routing
     moments: dict[tuple[int, str], _Moments] = {}
     inputs: dict[tuple[int, str], torch.Tensor] = {}
-    handles = []
 
     def keep_input(key):
         def hook(module, args):
@@ -195,22 +194,13 @@ def _collect(model, batches: torch.Tensor, group: list, batch_size: int,
             moments[key].add(x, a)
         return hook
 
+    hooks = []
     for i, module, _, first, last, _ in group:
-        handles.append(first.register_forward_pre_hook(keep_input((i, module))))
-        handles.append(last.register_forward_pre_hook(accumulate((i, module))))
-    device = next(model.parameters()).device
-    starts = list(range(0, batches.shape[0], batch_size))
-    mode, was_training = state.mode, model.training
+        hooks += [(first, keep_input((i, module))), (last, accumulate((i, module)))]
+    mode = state.mode
     state.set_mode("dense")
-    model.eval()
     try:
-        for done, s in enumerate(starts, start=1):
-            _backbone(model)(input_ids=batches[s: s + batch_size].to(device), use_cache=False)
-            if progress is not None:
-                progress(done, len(starts))
+        calibration_pass(model, batches, hooks, batch_size=batch_size, progress=progress)
     finally:
-        for h in handles:
-            h.remove()
         state.set_mode(mode)
-        model.train(was_training)
     return moments

@@ -127,6 +127,48 @@ def _backbone(model):
 
 
 @torch.no_grad()
+def calibration_pass(model, batches: torch.Tensor, hooks, *, batch_size: int = 4, max_batches: int | None = None,
+                     progress: Callable[[int, int], None] | None = None, forward=None) -> int:
+    """Run ``model`` in eval mode, without gradients, over ``batches`` with forward pre-hooks
+    attached, then remove them and restore its training mode (the loop every calibration
+    collector shares).
+
+    Args:
+        model: the model (its device is where the batches go).
+        batches: ``[N, T]`` int64 token ids. batch_size: sequences per forward pass.
+        hooks: ``(module, fn)`` pairs, ``fn(module, args)`` registered as forward pre-hooks.
+        max_batches: use at most this many forward passes (the first ones), None = all.
+        progress: called as ``progress(done, total)`` after each forward pass.
+        forward: ``forward(chunk [B, T])`` runs one pass; default the decoder stack alone
+            (``_backbone``: no ``[B, T, vocab]`` logits).
+
+    Returns:
+        The number of tokens run.
+    """
+    handles = [m.register_forward_pre_hook(fn) for m, fn in hooks]
+    device = next(model.parameters()).device
+    run = forward or (lambda chunk: _backbone(model)(input_ids=chunk, use_cache=False))
+    starts = list(range(0, batches.shape[0], batch_size))
+    if max_batches is not None:
+        starts = starts[: max(0, int(max_batches))]
+    tokens = 0
+    was_training = model.training
+    model.eval()
+    try:
+        for done, s in enumerate(starts, start=1):
+            chunk = batches[s : s + batch_size].to(device)
+            run(chunk)
+            tokens += chunk.numel()
+            if progress is not None:
+                progress(done, len(starts))
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return tokens
+
+
+@torch.no_grad()
 def collect_statistics(
     model,
     batches: torch.Tensor,
@@ -182,29 +224,11 @@ def collect_statistics(
 
         return hook
 
-    handles = []
+    hooks = []
     for i, layer in enumerate(decoder_layers(model)):
-        handles.append(layer.self_attn.o_proj.register_forward_pre_hook(attn_hook(i)))
-        handles.append(layer.mlp.down_proj.register_forward_pre_hook(ffn_hook(i)))
-    device = next(model.parameters()).device
-    backbone = _backbone(model)
-    starts = list(range(0, batches.shape[0], batch_size))
-    if max_batches is not None:
-        starts = starts[: max(0, int(max_batches))]
-    tokens = 0
-    was_training = model.training
-    model.eval()
-    try:
-        for done, s in enumerate(starts, start=1):
-            chunk = batches[s : s + batch_size].to(device)
-            backbone(input_ids=chunk, use_cache=False)
-            tokens += chunk.numel()
-            if progress is not None:
-                progress(done, len(starts))
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
+        hooks += [(layer.self_attn.o_proj, attn_hook(i)), (layer.mlp.down_proj, ffn_hook(i))]
+    tokens = calibration_pass(model, batches, hooks, batch_size=batch_size, max_batches=max_batches,
+                              progress=progress)
     denom = max(tokens, 1)
     return GroupStatistics((attn_sum / denom).float(), (ffn_sum / denom).float(), tokens,
                            (attn_mean / denom).float(), (ffn_mean / denom).float())
