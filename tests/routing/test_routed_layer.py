@@ -12,6 +12,8 @@ CASES = [
     ("mistral", {}, 2, 32),
     ("qwen2", {}, 2, 32),  # q/k/v biases (a skipped head adds no bias)
     ("qwen3", {"head_dim": 32}, 2, 32),  # per-head q_norm / k_norm, q width != hidden size
+    # sandwich norms, MQA, a sliding window of 8 under 9-11 tokens, GELU-tanh, scaled embeddings
+    ("gemma3", {}, 2, 32),
 ]
 
 
@@ -113,9 +115,11 @@ def test_qwen3_head_routing_is_applied():
     assert s["attention"] is not None and 0.0 < s["attention"] < 1.0
 
 
-def test_generate_with_kv_cache_matches_full_forward():
-    """Greedy generate (KV cache) of a routed model equals step-by-step full forwards."""
-    model = tiny_model("llama")
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_generate_with_kv_cache_matches_full_forward(kind):
+    """Greedy generate (KV cache) of a routed model equals step-by-step full forwards (for
+    Gemma 3 past its sliding window of 8 tokens)."""
+    model = tiny_model(kind)
     attach_routers(model, RoutingConfig(attn_group_size=2, ffn_group_size=32))
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(5))
     out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -135,3 +139,42 @@ def test_lm_loss_with_labels():
     logits = out.logits[:, :-1].reshape(-1, 128)
     ref = torch.nn.functional.cross_entropy(logits, ids[:, 1:].reshape(-1))
     torch.testing.assert_close(out.loss, ref)
+
+
+def _gemma3_block_reference(layer, h, execute, standin):
+    """What a sandwich-norm block adds to the residual stream, written out: the post-norm of the
+    executed groups' output plus the skipped groups' stand-ins, zero where no group executes."""
+    out = h + (1.0 - execute.float()) @ standin
+    normed = layer.post_attention_layernorm(out)
+    return torch.where(execute.any(-1, keepdim=True), normed, torch.zeros_like(normed))
+
+
+def test_sandwich_norm_block_skipped_entirely_adds_nothing():
+    """Gemma 3: a token that skips every group of a block adds exactly zero (not the post-norm of
+    its stand-ins, which RMSNorm would scale up to a full block's size); a partly skipped block is
+    the post-norm of executed output plus stand-ins."""
+    from wide_cli.routing.layer import sublayer_output
+    from wide_cli.routing.router import apply_standin
+
+    layer = tiny_model("gemma3").model.layers[0]
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, 3, 64, generator=g)
+    standin = torch.randn(2, 64, generator=g)
+    execute = torch.tensor([[[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]]])
+    with torch.no_grad():
+        got = sublayer_output(layer.post_attention_layernorm, apply_standin(h, execute, standin), execute)
+        ref = _gemma3_block_reference(layer, h, execute, standin)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+    assert torch.equal(got[0, 2], torch.zeros(64))
+    assert got[0, 1].abs().max() > 0.1
+
+
+def test_sandwich_norm_skip_keeps_router_gradients():
+    """The "any group executed" factor passes the decisions' straight-through gradients."""
+    from wide_cli.routing.layer import sublayer_output
+
+    layer = tiny_model("gemma3").model.layers[0]
+    h = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(1))
+    execute = torch.tensor([[[0.0, 1.0], [0.0, 0.0]]], requires_grad=True)
+    sublayer_output(layer.post_attention_layernorm, h, execute).sum().backward()
+    assert execute.grad is not None and execute.grad.abs().sum() > 0

