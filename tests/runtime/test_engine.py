@@ -45,6 +45,8 @@ MODEL_CASES = {
     "qwen2-biases": ("qwen2", 2, {}),  # q/k/v biases on the decode fast path too (a skipped head adds no bias)
     # 6 query heads / 2 KV heads: groups of 2 heads straddle KV-group boundaries
     "llama-straddling": ("llama", 2, {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2}),
+    # sandwich norms, GELU-tanh, one KV head, a window of 8 slots (prompt + 16 steps run past it)
+    "gemma3": ("gemma3", 2, {}),
 }
 
 
@@ -87,6 +89,9 @@ ARCHS = {
     "mistral-window": {"sliding_window": 4},
     "qwen2": {},  # q/k/v biases, non-zero (tiny_model randomizes biases)
     "qwen3": {"head_dim": 32},  # q width 128 != hidden 64, per-head q_norm/k_norm
+    # sandwich norms scaling by 1 + w, GELU-tanh, MQA, query scale 24 ** -0.5, a window of 8 slots
+    # and a RoPE base per layer type (tiny_model draws the norm weights away from zero)
+    "gemma3": {},
 }
 
 
@@ -103,7 +108,7 @@ def test_prefill_matches_hf(arch, backend, prompts_ids, routed_model, hf_logits)
     assert rt.stats.summary()["attention"] > 0.05  # routing really applied (not silently dense)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama", "gemma3"])
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_masked_head_group_matches_hf(kind, backend, routed_model):
     """One head group masked everywhere: no bias leaks through it, q/k norms stay per head
@@ -128,7 +133,7 @@ def test_masked_head_group_matches_hf(kind, backend, routed_model):
     assert s["attention"] == pytest.approx(1 / G) and s["ffn"] == 0.0
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
 def test_dense_mode_matches_plain_hf(kind, prompts_ids, routed_model):
     """Routing disabled == the unmodified HF model (same weights)."""
     plain = tiny_model(kind)
@@ -143,6 +148,70 @@ def test_dense_mode_matches_plain_hf(kind, prompts_ids, routed_model):
     rt = Runtime.from_model(routed, backend="cpu", routing=False)
     torch.testing.assert_close(rt.forward(ids, mask)[mask], want[mask], atol=ATOL, rtol=0)
     assert rt.stats.summary()["total"] == 0.0
+
+
+@pytest.mark.parametrize("standin", ["none", "trained", "lowrank:4"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_gemma3_routed_layer_matches_the_training_layer(standin, backend):
+    """Gemma 3's sandwich norms under routing (``routing/layer.py``'s ``sublayer_output``): the
+    post-norm sees the executed groups plus the stand-ins of the skipped ones (constant and
+    low-rank), and a token that executes no group of a block adds nothing to the residual stream.
+    Forced decisions: about half the groups, plus tokens that skip every group of a block (slot 3
+    of both rows, and slot 6 of row 1 in the attention only), over 20 tokens (window 8)."""
+    from tests._exports import feature_model
+
+    model, _ = feature_model("gemma3", standin=standin, seed=2)
+    st = model.wide_routing
+    g = torch.Generator().manual_seed(3)
+    forced = {}
+    for i in range(2):
+        for mod in ("attention", "ffn"):
+            f = torch.rand(2, 20, st.groups(mod), generator=g) >= 0.5
+            f[:, 3] = False
+            if mod == "attention":
+                f[1, 6] = False
+            f[:, 4] = True
+            forced[(i, mod)] = f
+    ids = torch.randint(5, 100, (2, 20), generator=torch.Generator().manual_seed(1))
+    st.forced = forced
+    try:
+        with torch.no_grad():
+            want = model(input_ids=ids).logits
+    finally:
+        st.forced = {}
+    rt = Runtime.from_model(model, backend=backend)
+    rt.forced = forced
+    torch.testing.assert_close(rt.forward(ids), want, atol=ATOL, rtol=0)
+    # the routers decide (no forcing): the same decisions and logits
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    rt = Runtime.from_model(model, backend=backend)
+    torch.testing.assert_close(rt.forward(ids), want, atol=ATOL, rtol=0)
+    assert 0.2 < rt.stats.summary()["total"] < 0.8
+
+
+def test_gemma3_runtime_weights_fold_the_norms_and_scale_the_embeddings():
+    """The Gemma 3 specifics ``weights_from_model`` reads: every RMSNorm weight folded to ``1 + w``
+    in fp32, sqrt(D) embedding scale, GELU-tanh, the query scale of query_pre_attn_scalar (24, not
+    head_dim 32), and the RoPE base of each layer's type (10000 sliding, 1e6 global)."""
+    from wide_cli.runtime.checkpoint import weights_from_model
+
+    model = tiny_model("gemma3", dtype=torch.bfloat16)
+    w, routed = weights_from_model(model)
+    layer = model.model.layers[0]
+    assert not routed and w.norm_fp32 and w.embed_scale == pytest.approx(64**0.5)
+    assert w.final_norm.dtype == torch.float32
+    torch.testing.assert_close(w.final_norm, 1.0 + model.model.norm.weight.float(), atol=0, rtol=0)
+    lw = w.layers[0]
+    for ours, theirs in ((lw.ln_attn, layer.input_layernorm), (lw.ln_attn_out, layer.post_attention_layernorm),
+                         (lw.ln_ffn, layer.pre_feedforward_layernorm), (lw.ln_ffn_out, layer.post_feedforward_layernorm),
+                         (lw.q_norm, layer.self_attn.q_norm), (lw.k_norm, layer.self_attn.k_norm)):
+        assert ours.dtype == torch.float32
+        torch.testing.assert_close(ours, 1.0 + theirs.weight.float(), atol=0, rtol=0)
+    assert lw.act == "gelu_tanh" and lw.attn_scale == pytest.approx(24**-0.5) and lw.window == 8
+    assert w.layers[1].window is None
+    for lw, base in zip(w.layers, (10000.0, 1e6)):
+        torch.testing.assert_close(lw.rope[0], 1.0 / base ** (torch.arange(0, 32, 2).float() / 32), atol=0, rtol=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,9 +246,10 @@ def test_batch_equals_each_prompt_alone(padding_side, backend, routed_model):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-@pytest.mark.parametrize("arch", ["llama", "mistral-window"])
+@pytest.mark.parametrize("arch", ["llama", "mistral-window", "gemma3"])
 def test_greedy_generation_equals_hf_generate(backend, arch, routed_model):
-    """Decode too (mistral: a sliding window of 4 slots, shorter than prompt + new tokens)."""
+    """Decode too (mistral: a sliding window of 4 slots, Gemma 3: of 8, shorter than prompt + new
+    tokens)."""
     kind = arch.split("-")[0]
     model = routed_model(kind, **ARCHS[arch])
     model.generation_config.eos_token_id = None
@@ -374,8 +444,9 @@ def test_cupy_without_cuda_is_a_clear_error():
         Runtime.from_model(tiny_model("llama"), backend="tpu")
 
 
-def test_bf16_cpu_close_to_reference(prompts_ids, routed_model, random_masks):
-    model = routed_model("llama")
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_bf16_cpu_close_to_reference(kind, prompts_ids, routed_model, random_masks):
+    model = routed_model(kind)
     ids, mask = _left_pad(prompts_ids)
     rt32 = Runtime.from_model(model, backend="reference")
     rt32.forced = random_masks(model, 2, ids.shape[1], 0.5)

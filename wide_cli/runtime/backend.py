@@ -60,13 +60,23 @@ class LayerWeights:
         wq ``[H*d, D]``, wk/wv ``[H_kv*d, D]``, wo ``[D, H*d]``; bq/bk/bv/bo biases or None
             (Qwen2 has q/k/v biases).
         w_gate, w_up ``[F, D]``, w_down ``[D, F]``.
-        ln_attn, ln_ffn ``[D]``: input / post-attention RMSNorm weights.
-        q_norm, k_norm ``[d]`` or None: Qwen3 per-head RMSNorms.
+        ln_attn, ln_ffn ``[D]``: the RMSNorm weights of the attention and FFN inputs (Llama:
+            input / post-attention; Gemma 3: input / pre-feedforward, ``1 + w`` folded, fp32).
+        ln_attn_out, ln_ffn_out ``[D]`` or None: the RMSNorms of the attention and FFN outputs
+            before the residual add (Gemma 3's sandwich norms: post-attention / post-feedforward,
+            ``1 + w`` folded, fp32); a token that executes no group of a block adds nothing then.
+        q_norm, k_norm ``[d]`` or None: Qwen3 / Gemma 3 per-head RMSNorms.
         head_dim: d. num_heads, num_kv_heads, intermediate_size: from the weight shapes.
         attn_group_size, ffn_group_size: heads / channels per routed group of this layer.
         router_attention, router_ffn: learned routers, or None.
         keep_attention, keep_ffn: static ``[G]`` bool keep masks (static-width), or None.
         window: sliding-window size in slots, or None.
+        act: the gating activation of the FFN, ``silu`` (SwiGLU) or ``gelu_tanh`` (Gemma 3's
+            ``gelu_pytorch_tanh``).
+        attn_scale: softmax scale of the attention scores, or None for ``head_dim ** -0.5``
+            (Gemma 3: ``query_pre_attn_scalar ** -0.5``).
+        rope: ``(inv_freq [d/2] fp32, attention_scaling)`` of this layer's RoPE, or None for the
+            model's (Gemma 3: one per layer type, the same tuple object for layers of one type).
     """
 
     index: int
@@ -93,6 +103,11 @@ class LayerWeights:
     keep_attention: torch.Tensor | None = None
     keep_ffn: torch.Tensor | None = None
     window: int | None = None
+    ln_attn_out: torch.Tensor | None = None
+    ln_ffn_out: torch.Tensor | None = None
+    act: str = "silu"
+    attn_scale: float | None = None
+    rope: tuple[torch.Tensor, float] | None = None
 
     @property
     def num_heads(self) -> int:
@@ -138,6 +153,12 @@ class ModelWeights:
         tied: lm_head is embed.
         max_positions: the model's context length (config ``max_position_embeddings``), None
             when the config declares none.
+        embed_scale: the factor the embeddings are multiplied by (Gemma 3: sqrt(D), applied in
+            the compute dtype as transformers does), or None.
+        norm_fp32: the RMSNorm weights (``final_norm``, every layer's) are fp32 and multiply the
+            fp32 normalised value before the one cast to the compute dtype (Gemma 3, whose
+            weights are stored as ``w`` in ``x * (1 + w)`` and arrive here as ``1 + w``); False:
+            Llama's rounding (normalised value cast first, weight in the compute dtype).
     """
 
     embed: torch.Tensor
@@ -151,6 +172,8 @@ class ModelWeights:
     tied: bool = False
     extra: dict = field(default_factory=dict)
     max_positions: int | None = None
+    embed_scale: float | None = None
+    norm_fp32: bool = False
 
 
 class Counter:
@@ -216,8 +239,8 @@ class Backend(Protocol):
         ...
 
     def mlp(self, p: Any, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Routed SwiGLU FFN: ``gemm_mn_swiglu`` then ``gemm_k``; ``x [M, D] -> [M, D]``.
-        mask: ``[M, G_f]`` bool or None."""
+        """Routed gated FFN: ``gemm_mn_swiglu`` (with the layer's ``act``) then ``gemm_k``;
+        ``x [M, D] -> [M, D]``. mask: ``[M, G_f]`` bool or None."""
         ...
 
     def attention_prefill(self, q, k, v, head_mask, *, key_valid, q_offset, scale, window) -> torch.Tensor:

@@ -74,9 +74,13 @@ class _Pool:
         return t
 
 
-def rope_tables(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def rope_tables(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """``(inv_freq [d/2] fp32, attention_scaling)`` exactly as transformers computes them, incl.
     ``rope_scaling`` types such as ``llama3``, via ``ROPE_INIT_FUNCTIONS``.
+
+    Args:
+        layer_type: for a config with one RoPE per layer type (Gemma 3's ``rope_parameters =
+            {"sliding_attention": {...}, "full_attention": {...}}``), the type whose RoPE to build.
 
     Raises:
         ConfigError: RoPE types whose frequencies change with the sequence length (``dynamic``,
@@ -85,7 +89,10 @@ def rope_tables(config, head_dim: int) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = dict(getattr(config, "rope_parameters", None) or {})
-    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    kw = {}
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params, kw = dict(params[layer_type]), {"layer_type": layer_type}
+    scaling = {} if kw else dict(getattr(config, "rope_scaling", None) or {})
     rtype = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rtype == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -98,7 +105,7 @@ def rope_tables(config, head_dim: int) -> tuple[torch.Tensor, float]:
         )
     if rtype not in ROPE_INIT_FUNCTIONS:
         raise ConfigError(f"unknown rope type {rtype!r}", f"known: {', '.join(ROPE_INIT_FUNCTIONS)}")
-    inv, scale = ROPE_INIT_FUNCTIONS[rtype](config, torch.device("cpu"))
+    inv, scale = ROPE_INIT_FUNCTIONS[rtype](config, torch.device("cpu"), **kw)
     return inv.float(), float(scale)
 
 
@@ -131,7 +138,8 @@ def weights_from_tensors(
     """Arrange Hugging Face-named tensors into ``ModelWeights``.
 
     Per-layer sizes come from the weight shapes (layers may differ); ``config`` gives only the layer count,
-    ``head_dim``, norm epsilon, RoPE, sliding windows and the tie flag.
+    ``head_dim``, norm epsilon, RoPE, sliding windows and the tie flag (and, for Gemma 3, the
+    activation, the query scale and the layer types: ``_gemma3``).
 
     Raises:
         CheckpointError: missing tensors (all listed), unexpected tensors (unless
@@ -141,12 +149,13 @@ def weights_from_tensors(
     from wide_cli.models.arch import check_supported, context_length
 
     check_supported(config)
-    if getattr(config, "model_type", None) == "gemma3_text":
-        from wide_cli.features import UnsupportedFeature
-
-        raise UnsupportedFeature("gemma3_layer", "reference", label=f"model_type {config.model_type!r}")
+    gemma = getattr(config, "model_type", None) == "gemma3_text"
     info = wide_config if isinstance(wide_config, RoutingInfo) else RoutingInfo.from_wide_config(wide_config)
-    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+    if gemma:
+        if getattr(config, "hidden_activation", None) != "gelu_pytorch_tanh":
+            raise ConfigError(f"Gemma 3 hidden_activation {getattr(config, 'hidden_activation', None)!r} is not "
+                              "supported by the runtime", "gelu_pytorch_tanh (the released checkpoints') only")
+    elif getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"hidden_act {config.hidden_act!r} is not supported by the runtime", "SwiGLU (silu) only")
     pool = _Pool(tensors)
     D = int(config.hidden_size)
@@ -196,6 +205,9 @@ def weights_from_tensors(
             "w_gate": g("mlp.gate_proj.weight"), "w_up": g("mlp.up_proj.weight"), "w_down": g("mlp.down_proj.weight"),
             "ln_attn": g("input_layernorm.weight"), "ln_ffn": g("post_attention_layernorm.weight"),
         }  # fmt: skip
+        if gemma:  # sandwich norms: post_attention_layernorm normalises the attention output
+            lw["ln_attn_out"], lw["ln_ffn"] = lw["ln_ffn"], g("pre_feedforward_layernorm.weight")
+            lw["ln_ffn_out"] = g("post_feedforward_layernorm.weight")
         for b in ("gate", "up", "down"):
             if g(f"mlp.{b}_proj.bias", False) is not None:
                 raise ConfigError(f"layer {i}: mlp.{b}_proj.bias (mlp_bias) is not supported by the runtime")
@@ -218,13 +230,42 @@ def weights_from_tensors(
                                          rt.pop((i, "ffn"), None), _window(config, i)))  # fmt: skip
     if rt:
         raise _ckpt_error(f"router tensors for layers that do not exist: {sorted(rt)[:5]}")
-    inv_freq, scale = rope_tables(config, head_dim)
     if embed.shape[1] != D or lm_head.shape[1] != D:
         raise _ckpt_error(f"embedding {tuple(embed.shape)} / lm_head {tuple(lm_head.shape)} do not have hidden size {D}")
+    if gemma:
+        return _gemma3(config, embed, lm_head, final_norm, out_layers, head_dim, tied, extra_eos)
+    inv_freq, scale = rope_tables(config, head_dim)
     return ModelWeights(
         embed=embed, lm_head=lm_head, final_norm=final_norm, layers=out_layers,
         rms_eps=float(getattr(config, "rms_norm_eps", 1e-6)), inv_freq=inv_freq, rope_scale=scale,
         eos_token_ids=_eos_ids(config, extra_eos), tied=bool(tied), max_positions=context_length(config),
+    )  # fmt: skip
+
+
+def _gemma3(config, embed, lm_head, final_norm, layers: list[LayerWeights], head_dim: int, tied: bool,
+            extra_eos) -> ModelWeights:
+    """The Gemma 3 (text) parts of ``ModelWeights`` (``modeling_gemma3.py``): every RMSNorm weight
+    ``w`` of ``x * (1 + w)`` folded once to ``1 + w`` in fp32 (``norm_fp32``), GELU-tanh gating,
+    the query scale ``query_pre_attn_scalar ** -0.5``, one RoPE per layer type, embeddings scaled
+    by sqrt(D)."""
+    from wide_cli.models.arch import context_length
+
+    def fold(w):
+        return None if w is None else 1.0 + w.float()
+
+    types = list(config.layer_types)
+    ropes = {t: rope_tables(config, head_dim, t) for t in sorted(set(types))}
+    scale = float(config.query_pre_attn_scalar) ** -0.5
+    for lw in layers:
+        for name in ("ln_attn", "ln_ffn", "ln_attn_out", "ln_ffn_out", "q_norm", "k_norm"):
+            setattr(lw, name, fold(getattr(lw, name)))
+        lw.act, lw.attn_scale, lw.rope = "gelu_tanh", scale, ropes[types[lw.index]]
+    inv_freq, rope_scale = ropes.get("full_attention") or next(iter(ropes.values()))  # unused: every layer has its own
+    return ModelWeights(
+        embed=embed, lm_head=lm_head, final_norm=fold(final_norm), layers=layers,
+        rms_eps=float(getattr(config, "rms_norm_eps", 1e-6)), inv_freq=inv_freq, rope_scale=rope_scale,
+        eos_token_ids=_eos_ids(config, extra_eos), tied=bool(tied), max_positions=context_length(config),
+        embed_scale=float(config.hidden_size) ** 0.5, norm_fp32=True,
     )  # fmt: skip
 
 
@@ -295,6 +336,7 @@ def _layer_weights(i, w, D, d, info: RoutingInfo, r_att, r_ffn, window) -> Layer
         ffn_group_size=fgs, bq=w["bq"], bk=w["bk"], bv=w["bv"], bo=w["bo"], q_norm=w["q_norm"],
         k_norm=w["k_norm"], router_attention=routers["attention"], router_ffn=routers["ffn"],
         keep_attention=keeps["attention"], keep_ffn=keeps["ffn"], window=window,
+        ln_attn_out=w.get("ln_attn_out"), ln_ffn_out=w.get("ln_ffn_out"),
     )  # fmt: skip
 
 

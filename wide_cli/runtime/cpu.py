@@ -78,6 +78,7 @@ class _CpuLayer:
     down: Proj  # axis k, groups of ffn_group_size
     attn_cols: int  # heads per group * d
     ffn_group_size: int
+    act: str = "silu"  # the FFN's gating activation (ops.gate_act)
 
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in (self.qkv, self.o, self.gu, self.down))
@@ -132,6 +133,7 @@ class CpuBackend:
             down=Proj(layer.w_down, "k", fmt, dtype, dev, c, g=g, what=f"layer {i} down_proj (FFN group size)"),
             attn_cols=cols,
             ffn_group_size=g,
+            act=layer.act,
         )  # fmt: skip
 
     def prepare_head(self, w: torch.Tensor, dtype: torch.dtype) -> Proj:
@@ -166,7 +168,7 @@ class CpuBackend:
         return gemm_k_proj(o, p.o, mask, p.bo, skip_plan(mask))
 
     def mlp(self, p: _CpuLayer, x, mask):
-        return ffn_proj(x, p.gu, p.down, mask, skip_plan(mask))
+        return ffn_proj(x, p.gu, p.down, mask, skip_plan(mask), p.act)
 
     def attention_prefill(self, q, k, v, head_mask, *, key_valid, q_offset, scale, window):
         return attention_prefill(q, k, v, head_mask, key_valid=key_valid, q_offset=q_offset, scale=scale,

@@ -386,6 +386,8 @@ class NativeDecoder:
             return f"compute dtype {rt.dtype}"
         if rt.head is None:
             return "no LM head in the backend's format"
+        if rt.norm_fp32 or any(m.ln_attn_out is not None or m.ln_ffn_out is not None for m in rt.meta):
+            return "Gemma 3's layer (sandwich norms, GELU-tanh gating)"
         d = {m.head_dim for m in rt.meta}
         if len(d) > 1 or 2 * rt.inv_freq.numel() != d.pop():
             return "head dims differ between layers"

@@ -245,19 +245,21 @@ def gemm_k_proj(a: torch.Tensor, p: Proj, mask, bias=None, plan=None) -> torch.T
     return out.to(a.dtype)
 
 
-def _swiglu(gu: torch.Tensor, g: int) -> torch.Tensor:
-    """``gu [..., 2g]`` (gate | up) -> ``silu(gate) * up [..., g]``."""
-    return F.silu(gu[..., :g]) * gu[..., g:]
+def _swiglu(gu: torch.Tensor, g: int, act: str = "silu") -> torch.Tensor:
+    """``gu [..., 2g]`` (gate | up) -> ``act(gate) * up [..., g]`` (``ops.gate_act``)."""
+    if act == "silu":
+        return F.silu(gu[..., :g]) * gu[..., g:]
+    return ops.gate_act(gu[..., :g], act) * gu[..., g:]
 
 
-def ffn_proj(x: torch.Tensor, gu: Proj, down: Proj, mask, plan=None) -> torch.Tensor:
-    """Routed SwiGLU FFN on the grouped layout.
+def ffn_proj(x: torch.Tensor, gu: Proj, down: Proj, mask, plan=None, act: str = "silu") -> torch.Tensor:
+    """Routed gated FFN on the grouped layout (SwiGLU, or ``act`` gating: ``ops.gate_act``).
 
     Args:
         x: ``[M, D]``. gu: axis-``n`` projection ``[G * 2g, D]`` (per group its gate rows then its
             up rows). down: axis-``k`` projection ``[D, G * g]``. mask: ``[M, G]`` bool or None.
     Returns:
-        ``[M, D]`` = ``gemm_k(gemm_mn_swiglu(x, ...), down, mask)``.
+        ``[M, D]`` = ``gemm_k(gemm_mn_swiglu(x, ..., act), down, mask)``.
     """
     g = down.g
     G = down.K // g
@@ -270,7 +272,7 @@ def ffn_proj(x: torch.Tensor, gu: Proj, down: Proj, mask, plan=None) -> torch.Te
         # Dense, or the union of the tokens' groups is everything (typical for a decode batch), or
         # a prefill executing most pairs (skip_plan): the dense GEMMs, with the skipped (token,
         # group) activations zeroed in between.
-        h = _swiglu(gu.rows(x, 0, G * 2 * g).view(M, G, 2 * g), g)
+        h = _swiglu(gu.rows(x, 0, G * 2 * g).view(M, G, 2 * g), g, act)
         if state != "dense":
             h = h * mask[:, :, None].to(x.dtype)
         down.acc(out, h.reshape(M, G * g), 0, G)
@@ -279,7 +281,7 @@ def ffn_proj(x: torch.Tensor, gu: Proj, down: Proj, mask, plan=None) -> torch.Te
         # Union runs: per run one gate/up GEMM, one SwiGLU over all of them, per run one down GEMM.
         parts = [gu.rows(x, s * 2 * g, e * 2 * g) for s, e in runs]
         nact = sum(e - s for s, e in runs)
-        h = _swiglu((parts[0] if len(parts) == 1 else torch.cat(parts, 1)).view(M, nact, 2 * g), g)
+        h = _swiglu((parts[0] if len(parts) == 1 else torch.cat(parts, 1)).view(M, nact, 2 * g), g, act)
         if not uniform:
             idx = torch.tensor([j for s, e in runs for j in range(s, e)], device=x.device)
             h = h * mask.index_select(1, idx)[:, :, None].to(h.dtype)
@@ -294,10 +296,10 @@ def ffn_proj(x: torch.Tensor, gu: Proj, down: Proj, mask, plan=None) -> torch.Te
         if n == 0:
             continue
         if n == M:
-            down.acc(out, _swiglu(gu.rows(x, j * 2 * g, (j + 1) * 2 * g), g), j, j + 1)
+            down.acc(out, _swiglu(gu.rows(x, j * 2 * g, (j + 1) * 2 * g), g, act), j, j + 1)
         else:
             idx = order[j, :n]
-            h = _swiglu(gu.rows(x, j * 2 * g, (j + 1) * 2 * g, idx), g)  # [n, g], compact
+            h = _swiglu(gu.rows(x, j * 2 * g, (j + 1) * 2 * g, idx), g, act)  # [n, g], compact
             down.acc(out, h, j, j + 1, idx)
     return out.to(x.dtype)
 
@@ -332,7 +334,7 @@ def gemm_k(a, w, mask, group_size, bias=None):
     return gemm_k_proj(a, float_proj(w, "k", group_size), mask, bias)
 
 
-def gemm_mn_swiglu(a, w_gate, w_up, mask, group_size):
+def gemm_mn_swiglu(a, w_gate, w_up, mask, group_size, act="silu"):
     """Work-skipping ``ops.gemm_mn_swiglu``."""
     N = w_gate.shape[0]
     G, g = N // group_size, group_size
@@ -340,7 +342,7 @@ def gemm_mn_swiglu(a, w_gate, w_up, mask, group_size):
     state = mask_state(mask)
     M = a.shape[0]
     if state == "dense":
-        return _swiglu(p.rows(a, 0, 2 * N).view(M, G, 2 * g), g).reshape(M, N)
+        return _swiglu(p.rows(a, 0, 2 * N).view(M, G, 2 * g), g, act).reshape(M, N)
     out = torch.zeros(M, N, dtype=a.dtype, device=a.device)
     if state == "none":
         return out
@@ -348,5 +350,5 @@ def gemm_mn_swiglu(a, w_gate, w_up, mask, group_size):
     for j, n in enumerate(counts.tolist()):
         if n:
             idx = order[j, :n]
-            out[:, j * g : (j + 1) * g].index_copy_(0, idx, _swiglu(p.rows(a.index_select(0, idx), 2 * j * g, 2 * (j + 1) * g), g))
+            out[:, j * g : (j + 1) * g].index_copy_(0, idx, _swiglu(p.rows(a.index_select(0, idx), 2 * j * g, 2 * (j + 1) * g), g, act))
     return out

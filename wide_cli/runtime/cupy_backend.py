@@ -68,6 +68,12 @@ class CupyBackend:
         self.device = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
     def prepare_layer(self, layer: LayerWeights, dtype: torch.dtype) -> _GpuLayer:
+        if layer.act != "silu" or layer.ln_attn_out is not None or layer.ln_ffn_out is not None:
+            # the CUDA FFN kernels fuse SwiGLU; the engine's sandwich norms would run, its FFN would not
+            from wide_cli.features import UnsupportedFeature
+
+            raise UnsupportedFeature("gemma3_layer", "cupy", label=f"layer {layer.index}")
+
         def t(x):
             return x.to(device=self.device, dtype=dtype)
 

@@ -6,6 +6,9 @@ decisions).
 Hugging Face tensor names, per-layer sizes from the tensors), hands each layer to a backend, and
 runs the decoder itself: embeddings, RMSNorms, routers, RoPE, cache, residual adds and LM head in
 PyTorch; the routed work through the backend. No Hugging Face modeling code runs at inference.
+Gemma 3's layer differs only in what ``ModelWeights`` carries (``runtime/checkpoint.py``): RMSNorm
+weights folded to ``1 + w`` in fp32, GELU-tanh gating, scaled embeddings, a query scale and a RoPE
+per layer, and sandwich norms on the block outputs (``_residual_add``).
 
 Routing (DESIGN.md §1, ``routing/layer.py``): the attention router reads the residual stream
 entering the layer, the FFN router the residual stream after the attention add; a group executes
@@ -33,13 +36,20 @@ from wide_cli.runtime.sparsity import SparsityStats
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face ``LlamaRMSNorm``: statistics in fp32, scale in the input dtype. In fp32 the
-    weight is folded into the per-row scale first (fewer full-width ops on the decode path; same
-    math, ~1e-7 apart). ``F.rms_norm`` was slower on CPU with 2 threads (20 vs 13 us per row)."""
+    """Hugging Face ``LlamaRMSNorm``: statistics in fp32, scale in the input dtype; with an fp32
+    ``weight`` and a bf16 / fp16 ``x``, ``Gemma3RMSNorm`` (``weight`` = ``1 + w`` folded): the fp32
+    normalised value times the fp32 weight, cast once. In fp32 the weight is folded into the
+    per-row scale first (fewer full-width ops on the decode path; same math, ~1e-7 apart).
+    ``F.rms_norm`` was slower on CPU with 2 threads (20 vs 13 us per row).
+
+    Args:
+        x: ``[..., n]``; weight: ``[n]``. Returns ``[..., n]`` in ``x``'s dtype."""
     if x.dtype == torch.float32:
         return x * (torch.rsqrt(torch.mean(x * x, -1, keepdim=True) + eps) * weight)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (xf * weight).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
@@ -70,15 +80,15 @@ class _Step:
     """Per-step values shared by every layer.
 
     valid ``[B, T]`` bool (all_valid: no padding in the block), n_valid (0-d), start (first slot
-    of the block), cos / sin ``[B, T, 1, d]`` RoPE tables, key_valid ``[B, start + T]`` bool.
+    of the block), ropes: per ``Runtime.ropes`` entry its ``(cos, sin)`` ``[B, T, 1, d]`` RoPE
+    tables (None where no layer uses it), key_valid ``[B, start + T]`` bool.
     """
 
     valid: torch.Tensor
     all_valid: bool
     n_valid: torch.Tensor
     start: int
-    cos: torch.Tensor
-    sin: torch.Tensor
+    ropes: list
     key_valid: torch.Tensor
 
 
@@ -166,10 +176,31 @@ class Runtime:
                 self.lm_head = None
             else:
                 self.head = self.backend.prepare_head(self.lm_head, self.dtype)
-        self.final_norm = weights.final_norm.to(dev, self.dtype)
+        # Gemma 3 scales the embeddings by sqrt(D) in the weight dtype (transformers'
+        # Gemma3TextScaledWordEmbedding); the tied LM head reads the unscaled rows.
+        self.embed_scale = (None if weights.embed_scale is None else
+                            torch.tensor(weights.embed_scale, dtype=torch.float32).to(dev, self.dtype))
+        #: the RMSNorm weights are fp32, applied before the cast (``ModelWeights.norm_fp32``: Gemma 3)
+        self.norm_fp32 = bool(weights.norm_fp32)
+        self.final_norm = weights.final_norm.to(dev, torch.float32 if self.norm_fp32 else self.dtype)
         self.inv_freq = weights.inv_freq.to(dev, torch.float32)
         self.rope_scale = float(weights.rope_scale)
-        self.meta = [layer_meta(lw, dev, self.dtype) for lw in weights.layers]
+        #: ``(inv_freq [d/2] fp32, attention_scaling)`` of each RoPE: the model's first, then the
+        #: layers' own (Gemma 3: one per layer type); ``LayerMeta.rope`` indexes it
+        self.ropes: list[tuple[torch.Tensor, float]] = [(self.inv_freq, self.rope_scale)]
+        rope_index: list[int] = []
+        seen: dict[int, int] = {}
+        for lw in weights.layers:
+            if lw.rope is None:
+                rope_index.append(0)
+                continue
+            if id(lw.rope[0]) not in seen:
+                seen[id(lw.rope[0])] = len(self.ropes)
+                self.ropes.append((lw.rope[0].to(dev, torch.float32), float(lw.rope[1])))
+            rope_index.append(seen[id(lw.rope[0])])
+        self.meta = [layer_meta(lw, dev, self.dtype, norm_fp32=weights.norm_fp32, rope=r)
+                     for lw, r in zip(weights.layers, rope_index)]
+        self._ropes_used = frozenset(rope_index)
         self.layers = [self.backend.prepare_layer(lw, self.dtype) for lw in weights.layers]
         self.stats = SparsityStats(len(self.layers), dev)
         # The native decode step (1-64 rows) is used where it can run (``_native_for``); False keeps
@@ -342,12 +373,13 @@ class Runtime:
         h = rms_norm(x, m.ln_attn, self.eps).reshape(M, D)
         q, k, v = be.attn_in(p, h, mflat)
         q, k, v = q.reshape(B, T, H, d), k.reshape(B, T, Hkv, d), v.reshape(B, T, Hkv, d)
-        if m.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+        if m.q_norm is not None:  # Qwen3, Gemma 3: per-head RMSNorm before RoPE
             q, k = rms_norm(q, m.q_norm, self.eps), rms_norm(k, m.k_norm, self.eps)
-        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        cos, sin = ctx.ropes[m.rope]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(i, k, v, ctx.start)  # every token, whatever its routing: later tokens read it
         head_mask = None if ex is None else ex.repeat_interleave(m.attn_group_size, dim=-1)  # [B, T, H]
-        scale = d**-0.5
+        scale = m.attn_scale
         if T == 1:
             o = be.attention_decode(
                 q[:, 0], cache.k[i], cache.v[i], None if head_mask is None else head_mask[:, 0],
@@ -358,13 +390,28 @@ class Runtime:
             o = be.attention_prefill(
                 q, kk, vv, head_mask, key_valid=ctx.key_valid, q_offset=ctx.start, scale=scale, window=m.window
             )
-        x = x + be.attn_out(p, o.reshape(M, H * d), mflat).view(B, T, D)
-        x = _add_standin(m, "attention", x, ex, h, self.counter)
+        y = be.attn_out(p, o.reshape(M, H * d), mflat).view(B, T, D)
+        x = self._residual_add(m, "attention", x, y, ex, h, m.ln_attn_out)
         # --- FFN: router on the residual stream after the attention add
         ex = self._decide(m, "ffn", x, ctx)
         h = rms_norm(x, m.ln_ffn, self.eps).reshape(M, D)
-        x = x + be.mlp(p, h, None if ex is None else ex.reshape(M, -1)).view(B, T, D)
-        return _add_standin(m, "ffn", x, ex, h, self.counter)
+        y = be.mlp(p, h, None if ex is None else ex.reshape(M, -1)).view(B, T, D)
+        return self._residual_add(m, "ffn", x, y, ex, h, m.ln_ffn_out)
+
+    def _residual_add(self, m: LayerMeta, module: str, x: torch.Tensor, y: torch.Tensor,
+                      execute: torch.Tensor | None, h: torch.Tensor, out_norm: torch.Tensor | None) -> torch.Tensor:
+        """``x [B, T, D]`` plus block output ``y [B, T, D]`` and the stand-ins of the skipped groups
+        (``execute [B, T, G]`` or None, ``h [B * T, D]`` the block's normed input).
+
+        With an output norm (``out_norm [D]``, Gemma 3's sandwich norms, as ``routing/layer.py``'s
+        ``sublayer_output``): ``x + norm(y + stand-ins)``, and exactly ``x`` for a token that
+        executes none of the block's groups."""
+        if out_norm is None:
+            return _add_standin(m, module, x + y, execute, h, self.counter)
+        y = rms_norm(_add_standin(m, module, y, execute, h, self.counter), out_norm, self.eps)
+        if execute is not None:
+            y = y * execute.any(dim=-1, keepdim=True).to(y.dtype)
+        return x + y
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, valid: torch.Tensor | None, cache: KVCache, *,
@@ -401,13 +448,16 @@ class Runtime:
         check_token_ids(input_ids, self.vocab_size)
         valid = torch.ones(B, T, dtype=torch.bool, device=self.device) if valid is None else valid.to(self.device).bool()
         start, positions = cache.append_slots(valid)
-        cos, sin = rope_tables_for(positions, self.inv_freq, self.rope_scale, self.dtype)
+        ropes = [rope_tables_for(positions, inv, sc, self.dtype) if r in self._ropes_used else None
+                 for r, (inv, sc) in enumerate(self.ropes)]
         n_valid = valid.sum()
         ctx = _Step(
-            valid=valid, all_valid=bool(n_valid == B * T), n_valid=n_valid, start=start, cos=cos, sin=sin,
+            valid=valid, all_valid=bool(n_valid == B * T), n_valid=n_valid, start=start, ropes=ropes,
             key_valid=cache.key_valid[:, : start + T],
         )  # fmt: skip
         x = F.embedding(input_ids, self.embed)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         for i in range(self.num_layers):
             x = self._layer(i, x, ctx, cache)
         if logits == "none":

@@ -31,11 +31,21 @@ class LayerMeta:
     standin_maps: dict  # module -> (w_in [G, R, D], w_out [G, R, D]) fp32 low-rank stand-in maps, or None
     keeps: dict  # module -> [G] bool, or None
     window: int | None
+    ln_attn_out: torch.Tensor | None = None  # sandwich norms of the block outputs (Gemma 3), or None
+    ln_ffn_out: torch.Tensor | None = None
+    attn_scale: float = 1.0  # softmax scale of the attention scores
+    rope: int = 0  # index of this layer's RoPE tables in ``Runtime.ropes``
 
 
-def layer_meta(lw: LayerWeights, device: torch.device, dtype: torch.dtype) -> LayerMeta:
-    """``lw``'s ``LayerMeta`` on ``device``: norms in the compute ``dtype``, routers and
-    stand-ins in fp32 (as trained), keep masks as bool."""
+def layer_meta(lw: LayerWeights, device: torch.device, dtype: torch.dtype, *, norm_fp32: bool = False,
+               rope: int = 0) -> LayerMeta:
+    """``lw``'s ``LayerMeta`` on ``device``: norms in the compute ``dtype`` (fp32 with
+    ``norm_fp32``: ``ModelWeights.norm_fp32``), routers and stand-ins in fp32 (as trained), keep
+    masks as bool; ``rope``: the index of the layer's RoPE in ``Runtime.ropes``."""
+    ndt = torch.float32 if norm_fp32 else dtype
+
+    def n(w):
+        return None if w is None else w.to(device, ndt)
 
     def r(rw):
         if rw is None:
@@ -49,9 +59,7 @@ def layer_meta(lw: LayerWeights, device: torch.device, dtype: torch.dtype) -> La
         index=lw.index, num_heads=lw.num_heads, num_kv_heads=lw.num_kv_heads, head_dim=lw.head_dim,
         attn_group_size=lw.attn_group_size, ffn_group_size=lw.ffn_group_size,
         attn_groups=lw.attn_groups, ffn_groups=lw.ffn_groups,
-        ln_attn=lw.ln_attn.to(device, dtype), ln_ffn=lw.ln_ffn.to(device, dtype),
-        q_norm=None if lw.q_norm is None else lw.q_norm.to(device, dtype),
-        k_norm=None if lw.k_norm is None else lw.k_norm.to(device, dtype),
+        ln_attn=n(lw.ln_attn), ln_ffn=n(lw.ln_ffn), q_norm=n(lw.q_norm), k_norm=n(lw.k_norm),
         routers={"attention": r(lw.router_attention), "ffn": r(lw.router_ffn)},
         standins={mod: None if rw is None or rw.standin is None else rw.standin.to(device, torch.float32)
                   for mod, rw in (("attention", lw.router_attention), ("ffn", lw.router_ffn))},
@@ -60,7 +68,8 @@ def layer_meta(lw: LayerWeights, device: torch.device, dtype: torch.dtype) -> La
                        rw.standin_out.to(device, torch.float32).contiguous())
                       for mod, rw in (("attention", lw.router_attention), ("ffn", lw.router_ffn))},
         keeps={"attention": k(lw.keep_attention), "ffn": k(lw.keep_ffn)},
-        window=lw.window,
+        window=lw.window, ln_attn_out=n(lw.ln_attn_out), ln_ffn_out=n(lw.ln_ffn_out),
+        attn_scale=lw.head_dim**-0.5 if lw.attn_scale is None else float(lw.attn_scale), rope=rope,
     )  # fmt: skip
 
 

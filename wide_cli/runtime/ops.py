@@ -44,6 +44,7 @@ __all__ = [
     "attention_decode",
     "attention_prefill",
     "expand_mask",
+    "gate_act",
     "gemm_k",
     "gemm_mn",
     "gemm_mn_swiglu",
@@ -154,30 +155,43 @@ def gemm_mn(
     return out
 
 
+def gate_act(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """The FFN's gating activation: ``silu`` (SwiGLU) or ``gelu_tanh`` (GELU, tanh approximation:
+    Gemma 3's ``gelu_pytorch_tanh``), in ``x``'s dtype."""
+    if act == "silu":
+        return torch.nn.functional.silu(x)
+    if act == "gelu_tanh":
+        return torch.nn.functional.gelu(x, approximate="tanh")
+    raise ValueError(f"unknown FFN activation {act!r}")
+
+
 def gemm_mn_swiglu(
     a: torch.Tensor,
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     mask: torch.Tensor | None,
     group_size: int,
+    act: str = "silu",
 ) -> torch.Tensor:
-    """Routed SwiGLU up-projection (Gate/Up with a fused ``silu(gate) * up`` epilogue).
+    """Routed gated up-projection (Gate/Up with a fused ``act(gate) * up`` epilogue; SwiGLU by
+    default).
 
     Args:
         a: ``[M, K]`` normed hidden states (K = D).
         w_gate, w_up: ``[N, K]`` each (N = F intermediate channels).
         mask: ``[M, N // group_size]`` bool or None; channel ``n`` is in group ``n // group_size``.
         group_size: channels per group.
+        act: ``silu`` or ``gelu_tanh`` (``gate_act``).
 
     Returns:
-        ``[M, N]``, dtype of ``a``: ``silu(a @ w_gate.T) * (a @ w_up.T)`` on executing channels,
+        ``[M, N]``, dtype of ``a``: ``act(a @ w_gate.T) * (a @ w_up.T)`` on executing channels,
         exactly ``0`` on skipped ones. (The projections carry no bias in the supported models.)
     """
     M, K = a.shape
     N = w_gate.shape[0]
     assert w_gate.shape == w_up.shape and w_gate.shape[1] == K
     _check_groups(N, mask, group_size, "gemm_mn_swiglu output", M)
-    h = torch.nn.functional.silu(torch.nn.functional.linear(a, w_gate)) * torch.nn.functional.linear(a, w_up)
+    h = gate_act(torch.nn.functional.linear(a, w_gate), act) * torch.nn.functional.linear(a, w_up)
     if mask is not None:
         h = h * expand_mask(mask, group_size).to(h.dtype)
     return h

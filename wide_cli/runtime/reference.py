@@ -30,6 +30,7 @@ class _RefLayer:
     head_dim: int
     attn_cols: int  # Q columns / O reduction channels per head group: heads_per_group * d
     ffn_group_size: int
+    act: str  # the FFN's gating activation (ops.gate_act)
 
 
 class ReferenceBackend:
@@ -54,7 +55,7 @@ class ReferenceBackend:
             t(layer.wq), t(layer.wk), t(layer.wv), t(layer.wo),
             t(layer.w_gate), t(layer.w_up), t(layer.w_down),
             t(layer.bq), t(layer.bk), t(layer.bv), t(layer.bo),
-            layer.head_dim, layer.attn_group_size * layer.head_dim, layer.ffn_group_size,
+            layer.head_dim, layer.attn_group_size * layer.head_dim, layer.ffn_group_size, layer.act,
         )  # fmt: skip
 
     def attn_in(self, p: _RefLayer, x, mask):
@@ -70,7 +71,7 @@ class ReferenceBackend:
 
     def mlp(self, p: _RefLayer, x, mask):
         self.counter.macs += x.shape[0] * 3 * p.w_gate.numel()
-        h = ops.gemm_mn_swiglu(x, p.w_gate, p.w_up, mask, p.ffn_group_size)
+        h = ops.gemm_mn_swiglu(x, p.w_gate, p.w_up, mask, p.ffn_group_size, p.act)
         return ops.gemm_k(h, p.w_down, mask, p.ffn_group_size)
 
     def attention_prefill(self, q, k, v, head_mask, *, key_valid, q_offset, scale, window):
