@@ -12,7 +12,11 @@
  * router logit w.x + b >= 0), in fp32 with the weights converted on load into registers. When the
  * compute dtype is bf16 the values the PyTorch path rounds to bf16 (residual stream, norm outputs,
  * projection outputs, RoPE tables, the K/V written to the cache) are rounded here too, so both
- * paths stay close; they are not bitwise equal (different summation order).
+ * paths stay close; they are not bitwise equal (different summation order). Gemma 3's layer is
+ * the same step with per-layer switches (WLayer): output norms on each block (ln_attn_out,
+ * ln_ffn_out: a row that executes no group of the block skips its post-norm and stand-ins, adding
+ * nothing), GELU-tanh gating, its own RoPE table and query scale; and per model the embedding
+ * scale and Gemma's norm rounding (norm_fp32).
  *
  * Weight layouts are the cpu backend's Proj layouts (runtime/cpu_proj.py): axis-n projections
  * (QKV, gate/up, LM head) as rows [N, K]; axis-k projections (O, down) as w_t [K, N] for float
@@ -65,7 +69,7 @@
 #define WIDE_I4_SIMD 1 /* the int4 x int8 kernel (32-byte vectors; vpdpbusd where AVX512-VNNI/VL is) */
 #endif
 
-#define WIDE_DECODE_ABI 11
+#define WIDE_DECODE_ABI 12
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_I4 = 3 };
 /* The step's counters (cnt[]): executed weight, attention and router multiply-adds, weight bytes
@@ -88,12 +92,19 @@ typedef struct {
     const uint8_t *keep_a, *keep_f;            /* static execute masks [G] or NULL */
     void *k_cache, *v_cache;                   /* [B, Hkv, S_max, d] in the compute dtype */
     int64_t keep_a_stride, keep_f_stride;      /* bytes between batch rows' keep masks (0: one for all) */
+    const float *ln_attn_out, *ln_ffn_out;     /* fp32 norms of the block outputs [D] (Gemma 3's sandwich
+                                                * norms) or NULL: a row that executes no group of the
+                                                * block adds nothing then */
+    const float *inv_freq;                     /* this layer's RoPE frequencies [d / 2] */
+    int64_t gelu;                              /* FFN gating: 0 silu (SwiGLU), 1 GELU, tanh approximation */
+    float rope_scale, attn_scale;              /* RoPE attention scaling; softmax scale of the scores */
 } WLayer;
 
 typedef struct {
     int64_t L, D, V, max_len, wfmt, act_bf16, head_fmt, routing, nthreads;
-    float eps, rope_scale;
-    const float *inv_freq;          /* [d / 2] */
+    int64_t norm_fp32;              /* RMSNorms as Gemma 3's: fp32 weight times the fp32 normalised value,
+                                     * one rounding (else Llama's: the normalised value rounded first) */
+    float eps, embed_scale;         /* embed_scale: embeddings times it (1 or, Gemma 3, sqrt(D) in the compute dtype) */
     const void *embed;              /* [V, D] in the compute dtype */
     const float *final_norm;        /* [D] */
     const void *head; const void *head_s;     /* [V, D] in head_fmt */
@@ -1154,13 +1165,21 @@ static void run_k_sets(Pool *p, int64_t fmt, int64_t blocked, const void *W, con
 /* layer pieces */
 
 /* HF LlamaRMSNorm: statistics in fp32; with bf16 compute the normalised value is rounded to bf16
- * before the (bf16) weight multiply, as torch does. */
-static void rms_norm(const float *x, const float *w, int64_t n, float eps, int64_t bf16, float *out) {
+ * before the (bf16) weight multiply, as torch does; f32w: Gemma3RMSNorm (w = 1 + its weight, fp32),
+ * the fp32 product rounded once. */
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, int64_t bf16, int64_t f32w, float *out) {
     double ss = 0.0;
     for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
     float r = 1.0f / sqrtf((float)(ss / (double)n) + eps);
-    if (bf16) for (int64_t i = 0; i < n; i++) out[i] = round_bf16(w[i] * round_bf16(x[i] * r));
+    if (bf16 && f32w) for (int64_t i = 0; i < n; i++) out[i] = round_bf16(x[i] * r * w[i]);
+    else if (bf16) for (int64_t i = 0; i < n; i++) out[i] = round_bf16(w[i] * round_bf16(x[i] * r));
     else for (int64_t i = 0; i < n; i++) out[i] = x[i] * (r * w[i]);
+}
+
+/* GELU with the tanh approximation (torch's gelu(approximate="tanh"), Gemma 3's gelu_pytorch_tanh). */
+static inline float gelu_tanh(float x) {
+    const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
+    return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
 }
 
 /* Execute decisions of one module into ex[G] (1 = execute); returns the number executed.
@@ -1238,6 +1257,21 @@ static int64_t add_standins(const float *st, const float *si, const float *so, i
         macs += 2 * R * D;
     }
     for (int64_t i = 0; i < D; i++) x[i] = bf16 ? round_bf16(x[i] + round_bf16(tmp[i])) : x[i] + tmp[i];
+    return macs;
+}
+
+/* A sandwich-norm block's contribution (Gemma 3; routing/layer.py's sublayer_output): x += norm(y +
+ * the stand-ins of the skipped groups), norm with the block's output weights w. y [D]: the block
+ * output (fp32 sums, rounded to bf16 first with bf16 activations: the projection's output dtype),
+ * overwritten; h: the block's normed input (low-rank maps); tmp [D]. The caller skips a row that
+ * executes no group (it adds nothing). Returns the stand-in maps' multiply-adds. */
+static int64_t add_normed_block(const WModel *m, const float *w, const float *st, const float *si, const float *so,
+                                int64_t R, const uint8_t *ex, int64_t G, const float *h, float *y, float *x, float *tmp) {
+    const int64_t D = m->D, bf = m->act_bf16;
+    if (bf) for (int64_t i = 0; i < D; i++) y[i] = round_bf16(y[i]);
+    int64_t macs = add_standins(st, si, so, R, ex, G, D, bf, h, y, tmp);
+    rms_norm(y, w, D, m->eps, bf, m->norm_fp32, tmp);
+    for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + tmp[i]) : x[i] + tmp[i];
     return macs;
 }
 
@@ -1361,12 +1395,13 @@ static void out_sets(WCtx *c, int64_t fmt, int64_t blocked, const void *W, const
     }
 }
 
-/* The routed SwiGLU FFN of B rows: ys[b][0:D] += down(silu(gate h[b]) * up h[b]) over the groups
- * row b executes (ex [B][GF], groups of fg channels); gu: [GF 2 fg, D] group-major gate | up rows;
- * hid[b]: scratch of GF fg 3 floats; bf: round like the bf16 PyTorch path. cnt as out_sets. */
+/* The routed gated FFN of B rows: ys[b][0:D] += down(act(gate h[b]) * up h[b]) over the groups
+ * row b executes (ex [B][GF], groups of fg channels), act silu (SwiGLU) or, with gelu, GELU-tanh;
+ * gu: [GF 2 fg, D] group-major gate | up rows; hid[b]: scratch of GF fg 3 floats; bf: round like the
+ * bf16 PyTorch path. cnt as out_sets. */
 static void ffn_sets(WCtx *c, int64_t fmt, int64_t blocked, const void *gu, const void *gu_s, const void *down,
-                     const void *down_s, int64_t D, int64_t GF, int64_t fg, int64_t bf, int64_t B, float *const *h,
-                     const uint8_t *ex, float *const *hid, float *const *ys, int64_t *cnt) {
+                     const void *down_s, int64_t D, int64_t GF, int64_t fg, int64_t bf, int64_t gelu, int64_t B,
+                     float *const *h, const uint8_t *ex, float *const *hid, float *const *ys, int64_t *cnt) {
     int64_t runs[2 * 4096], rows[2 * 4096];
     uint64_t sets[4096];
     Vec vs[WIDE_MAX_BATCH];
@@ -1380,7 +1415,7 @@ static void ffn_sets(WCtx *c, int64_t fmt, int64_t blocked, const void *gu, cons
         cnt[CNT_MACS] += __builtin_popcountll(sets[r]) * ng * 3 * fg * D;
         cnt[CNT_WEIGHT_BYTES] += wbytes(fmt, ng * 2 * fg, D) + ng * wbytes(fmt, D, fg);
     }
-    /* SwiGLU into act [GF fg] (the reduction axis of down), each row's active groups only */
+    /* act(gate) * up into act [GF fg] (the reduction axis of down), each row's active groups only */
     for (int64_t b = 0; b < B; b++) {
         float *act = hid[b] + GF * 2 * fg;
         for (int64_t j = 0; j < GF; j++) {
@@ -1389,7 +1424,7 @@ static void ffn_sets(WCtx *c, int64_t fmt, int64_t blocked, const void *gu, cons
             float *o = act + j * fg;
             for (int64_t i = 0; i < fg; i++) {
                 float gv = bf ? round_bf16(g[i]) : g[i], uv = bf ? round_bf16(u[i]) : u[i];
-                float sv = gv / (1.0f + expf(-gv));
+                float sv = gelu ? gelu_tanh(gv) : gv / (1.0f + expf(-gv));
                 o[i] = bf ? round_bf16(round_bf16(sv) * uv) : sv * uv;
             }
         }
@@ -1431,6 +1466,7 @@ static void layer_step(WCtx *c, const WModel *m, int64_t li, int64_t B, float *x
     uint64_t sets[4096 + 1];
     Vec vs[WIDE_MAX_BATCH];
     float *ys[WIDE_MAX_BATCH], *qs[WIDE_MAX_BATCH], *atts[WIDE_MAX_BATCH];
+    int64_t nex[WIDE_MAX_BATCH]; /* groups row b executes in the current block */
     /* row b's scratch: h [D], y [D], tmpD [D], qkv [Nq + 2 Nkv], att [Nq], hid [GF fg 3], cs, sn [d / 2] */
 #define X(b) (xs + (b) * D)
 #define H_(b) (rs + (b) * rstride)
@@ -1446,8 +1482,8 @@ static void layer_step(WCtx *c, const WModel *m, int64_t li, int64_t B, float *x
     for (int64_t b = 0; b < B; b++) {
         const int lv = (int)(live >> b & 1);
         const uint8_t *keep = L->keep_a ? L->keep_a + b * L->keep_a_stride : NULL;
-        int64_t na = decide(m, li, 0, L->ra_w, L->ra_b, keep, GA, X(b), exa + b * GA, ATT(b), cnt, lv);
-        rms_norm(X(b), L->ln_attn, D, m->eps, bf, H_(b));
+        int64_t na = nex[b] = decide(m, li, 0, L->ra_w, L->ra_b, keep, GA, X(b), exa + b * GA, ATT(b), cnt, lv);
+        rms_norm(X(b), L->ln_attn, D, m->eps, bf, m->norm_fp32, H_(b));
         vs[b] = prepare_vec(&c->vec[b], fmt, H_(b), D);
         ys[b] = qs[b] = QKV(b);
         atts[b] = ATT(b);
@@ -1482,15 +1518,15 @@ static void layer_step(WCtx *c, const WModel *m, int64_t li, int64_t B, float *x
         }
         /* RoPE tables as HF computes them: fp32 angle, cos/sin times the attention scaling */
         for (int64_t i = 0; i < d / 2; i++) {
-            float ang = (float)pos[b] * m->inv_freq[i];
-            float cv = cosf(ang) * m->rope_scale, sv = sinf(ang) * m->rope_scale;
+            float ang = (float)pos[b] * L->inv_freq[i];
+            float cv = cosf(ang) * L->rope_scale, sv = sinf(ang) * L->rope_scale;
             cs[i] = bf ? round_bf16(cv) : cv;
             sn[i] = bf ? round_bf16(sv) : sv;
         }
         for (int64_t hh = 0; hh < H + Hkv; hh++) {
             if (hh < H && !hxb[hh]) continue;
             float *v = qkv + hh * d;
-            if (L->q_norm) rms_norm(v, hh < H ? L->q_norm : L->k_norm, d, m->eps, bf, v);
+            if (L->q_norm) rms_norm(v, hh < H ? L->q_norm : L->k_norm, d, m->eps, bf, m->norm_fp32, v);
             rope(v, d, cs, sn, bf);
         }
         /* the cache: every token's K and V, whatever its routing */
@@ -1508,7 +1544,7 @@ static void layer_step(WCtx *c, const WModel *m, int64_t li, int64_t B, float *x
     }
     int64_t S = slot + 1, lo = 0;
     if (L->window > 0 && S - L->window > 0) lo = S - L->window;
-    AttnJob aj = {m, L, B, lo, S, m->max_len, qs, atts, hx, kvalid, kv_row, scores, 1.0f / sqrtf((float)d)};
+    AttnJob aj = {m, L, B, lo, S, m->max_len, qs, atts, hx, kvalid, kv_row, scores, L->attn_scale};
     if (c->pool.n > 1 && active_heads > L->ag) pool_run(&c->pool, attn_job, &aj);
     else attn_job(&aj, 0, 1);
     cnt[CNT_ATTN_MACS] += active_heads * d * 2 * (S - lo);
@@ -1519,35 +1555,50 @@ static void layer_step(WCtx *c, const WModel *m, int64_t li, int64_t B, float *x
         ys[b] = Y(b);
     }
     out_sets(c, fmt, L->blocked, L->o, L->o_s, D, cols, GA, B, atts, exa, ys, cnt);
+    uint64_t adds = live; /* rows whose block output reaches the residual stream */
     for (int64_t b = 0; b < B; b++) {
         if (!(live >> b & 1)) continue;
         float *x = X(b), *y = Y(b);
+        if (L->ln_attn_out != NULL) {
+            if (nex[b] == 0) { adds &= ~(1ull << b); continue; } /* nothing to add: no post-norm, no stand-ins */
+            cnt[CNT_MACS] += add_normed_block(m, L->ln_attn_out, L->sa, L->sa_in, L->sa_out, L->sa_r, exa + b * GA,
+                                              GA, H_(b), y, x, TMP(b));
+            continue;
+        }
         for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
         cnt[CNT_MACS] += add_standins(L->sa, L->sa_in, L->sa_out, L->sa_r, exa + b * GA, GA, D, bf, H_(b), x,
                                       TMP(b));
     }
-    cnt[CNT_WEIGHT_BYTES] += standin_map_bytes(L->sa_in ? L->sa_r : 0, exa, B, live, GA, D);
+    cnt[CNT_WEIGHT_BYTES] += standin_map_bytes(L->sa_in ? L->sa_r : 0, exa, B, adds, GA, D);
 
     /* FFN: routers on the residual streams after the attention add (hid holds their logits) */
     float *hs[WIDE_MAX_BATCH], *hids[WIDE_MAX_BATCH];
     for (int64_t b = 0; b < B; b++) {
         const uint8_t *keep = L->keep_f ? L->keep_f + b * L->keep_f_stride : NULL;
-        decide(m, li, 1, L->rf_w, L->rf_b, keep, GF, X(b), exf + b * GF, HID(b), cnt, (int)(live >> b & 1));
-        rms_norm(X(b), L->ln_ffn, D, m->eps, bf, H_(b));
+        nex[b] = decide(m, li, 1, L->rf_w, L->rf_b, keep, GF, X(b), exf + b * GF, HID(b), cnt, (int)(live >> b & 1));
+        rms_norm(X(b), L->ln_ffn, D, m->eps, bf, m->norm_fp32, H_(b));
         hs[b] = H_(b);
         hids[b] = HID(b);
         memset(Y(b), 0, (size_t)D * sizeof(float));
         ys[b] = Y(b);
     }
-    ffn_sets(c, fmt, L->blocked, L->gu, L->gu_s, L->down, L->down_s, D, GF, fg, bf, B, hs, exf, hids, ys, cnt);
+    ffn_sets(c, fmt, L->blocked, L->gu, L->gu_s, L->down, L->down_s, D, GF, fg, bf, L->gelu, B, hs, exf, hids, ys,
+             cnt);
+    adds = live;
     for (int64_t b = 0; b < B; b++) {
         if (!(live >> b & 1)) continue;
         float *x = X(b), *y = Y(b);
+        if (L->ln_ffn_out != NULL) {
+            if (nex[b] == 0) { adds &= ~(1ull << b); continue; }
+            cnt[CNT_MACS] += add_normed_block(m, L->ln_ffn_out, L->sf, L->sf_in, L->sf_out, L->sf_r, exf + b * GF,
+                                              GF, H_(b), y, x, TMP(b));
+            continue;
+        }
         for (int64_t i = 0; i < D; i++) x[i] = bf ? round_bf16(x[i] + round_bf16(y[i])) : x[i] + y[i];
         cnt[CNT_MACS] += add_standins(L->sf, L->sf_in, L->sf_out, L->sf_r, exf + b * GF, GF, D, bf, H_(b), x,
                                       TMP(b));
     }
-    cnt[CNT_WEIGHT_BYTES] += standin_map_bytes(L->sf_in ? L->sf_r : 0, exf, B, live, GF, D);
+    cnt[CNT_WEIGHT_BYTES] += standin_map_bytes(L->sf_in ? L->sf_r : 0, exf, B, adds, GF, D);
 #undef X
 #undef H_
 #undef Y
@@ -1903,9 +1954,10 @@ int64_t wide_decode_layout(int64_t *out, int64_t cap) {
         WL(o_s), WL(gu), WL(gu_s), WL(down), WL(down_s), WL(bqkv), WL(bo), WL(ln_attn), WL(ln_ffn), WL(q_norm),
         WL(k_norm), WL(ra_w), WL(ra_b), WL(rf_w), WL(rf_b), WL(sa), WL(sf), WL(sa_in), WL(sa_out),
         WL(sf_in), WL(sf_out), WL(sa_r), WL(sf_r), WL(keep_a), WL(keep_f), WL(k_cache),
-        WL(v_cache), WL(keep_a_stride), WL(keep_f_stride),
-        WM(L), WM(D), WM(V), WM(max_len), WM(wfmt), WM(act_bf16), WM(head_fmt), WM(routing), WM(nthreads), WM(eps),
-        WM(rope_scale), WM(inv_freq), WM(embed), WM(final_norm), WM(head), WM(head_s), WM(layers),
+        WL(v_cache), WL(keep_a_stride), WL(keep_f_stride), WL(ln_attn_out), WL(ln_ffn_out), WL(inv_freq), WL(gelu),
+        WL(rope_scale), WL(attn_scale),
+        WM(L), WM(D), WM(V), WM(max_len), WM(wfmt), WM(act_bf16), WM(head_fmt), WM(routing), WM(nthreads),
+        WM(norm_fp32), WM(eps), WM(embed_scale), WM(embed), WM(final_norm), WM(head), WM(head_s), WM(layers),
         WM(stat_skipped), WM(stat_decisions),
     };
 #undef WL
@@ -1973,13 +2025,16 @@ int64_t wide_decode_batch(WCtx *c, const WModel *m, int64_t B, const int64_t *to
     }
     float *xs = scratch, *rs = xs + B * D, *scores = rs + B * rstride;
     for (int64_t b = 0; b < B; b++)
-        for (int64_t i = 0; i < D; i++) xs[b * D + i] = load_act(m->embed, tokens[b] * D + i, m->act_bf16);
+        for (int64_t i = 0; i < D; i++) {
+            const float e = load_act(m->embed, tokens[b] * D + i, m->act_bf16) * m->embed_scale;
+            xs[b * D + i] = m->act_bf16 ? round_bf16(e) : e;
+        }
     for (int64_t l = 0; l < m->L; l++) layer_step(c, m, l, B, xs, pos, slot, kvalid, live, rs, rstride, scores, cnt);
     Vec vs[WIDE_MAX_BATCH];
     float *ys[WIDE_MAX_BATCH];
     for (int64_t b = 0; b < B; b++) {
         float *h = rs + b * rstride;
-        rms_norm(xs + b * D, m->final_norm, D, m->eps, m->act_bf16, h);
+        rms_norm(xs + b * D, m->final_norm, D, m->eps, m->act_bf16, m->norm_fp32, h);
         vs[b] = prepare_vec(&c->vec[b], m->head_fmt, h, D);
         ys[b] = logits + b * V;
         if (!(live >> b & 1)) memset(ys[b], 0, (size_t)V * sizeof(float));
@@ -2090,7 +2145,7 @@ int64_t wide_ffn_rows(WCtx *c, int64_t nthreads, int64_t fmt, int64_t blocked, i
         ys[b] = y + b * D;
         memset(ys[b], 0, (size_t)D * sizeof(float));
     }
-    ffn_sets(c, fmt, blocked, gu, gu_s, down, down_s, D, GF, fg, bf, M, hs, mask, hids, ys, cnt);
+    ffn_sets(c, fmt, blocked, gu, gu_s, down, down_s, D, GF, fg, bf, 0, M, hs, mask, hids, ys, cnt);
     return standin_rows(st, mask, GF, D, M, bf, y);
 }
 

@@ -28,7 +28,7 @@ static_depth          +          +    +       +     -   +     +
 static_width_keep     +          +    +       +     -   +     -
 static_width_compact  -          -    -       -     +   -     -
 qk_norm               +          +    +       +     +   +     -
-gemma3_layer          -          -    -       -     -   -     -
+gemma3_layer          +          +    +       -     -   -     -
 qkv_bias              +          +    +       +     +   +     -
 o_bias                +          +    +       +     +   +     -
 mlp_bias              -          -    -       -     +   -     -
@@ -102,7 +102,7 @@ IMPLEMENTATIONS: dict[str, tuple[str, str]] = {
 
 #: what the runtime's backends and its native step refuse (``runtime/checkpoint.py`` refuses
 #: mlp biases, length-dependent RoPE and per-layer narrowed static width).
-_RUNTIME_LACKS = {"static_width_compact", "mlp_bias", "rope_dynamic", "gemma3_layer"}
+_RUNTIME_LACKS = {"static_width_compact", "mlp_bias", "rope_dynamic"}
 
 #: implementation -> the features it runs (the table in the module docstring), written as what
 #: it lacks.
@@ -110,7 +110,8 @@ SUPPORT: dict[str, frozenset[str]] = {
     "reference": frozenset(FEATURES.keys() - _RUNTIME_LACKS),
     "cpu": frozenset(FEATURES.keys() - _RUNTIME_LACKS),
     "native": frozenset(FEATURES.keys() - _RUNTIME_LACKS),
-    "cupy": frozenset(FEATURES.keys() - _RUNTIME_LACKS),
+    # the CUDA FFN kernels fuse SwiGLU only (GELU-tanh gating would need its own epilogue)
+    "cupy": frozenset(FEATURES.keys() - _RUNTIME_LACKS - {"gemma3_layer"}),
     # an hf export is never int8 / int4 nor --format wide; static width is narrowed physically in it
     # (write_hf), and static depth is a plain checkpoint that needs no modeling code
     "hf": frozenset(FEATURES.keys() - {"static_depth", "static_width_keep", "weights_int8", "weights_int4",

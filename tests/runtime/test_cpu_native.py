@@ -78,10 +78,11 @@ def _against_reference(model, fmt: str, ids: torch.Tensor, steps: int, masks: di
     return ref, nat
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral-window"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral-window", "gemma3"])
 def test_native_step_matches_the_torch_step_with_routers(kind, routed_model):
     """Routers decide (about half the groups skip); Qwen3's q/k norms, Qwen2's biases, a sliding
-    window of 4 slots shorter than the context. Same tokens, decisions, counts and logits."""
+    window of 4 slots shorter than the context; Gemma 3's layer (sandwich norms, GELU-tanh, MQA, a
+    window of 8 and a RoPE base per layer type). Same tokens, decisions, counts and logits."""
     overrides = {"sliding_window": 4} if kind == "mistral-window" else {}
     model = routed_model(kind.split("-")[0], **overrides)
     nat, py = _pair(model, "fp32")
@@ -203,13 +204,15 @@ def test_decode_mode_perplexity_equals_the_prefill_one_in_fp32(routed_model):
     assert dec["sparsity"] == pre["sparsity"]
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
-def test_native_step_reads_only_the_executed_groups_weights(fmt, routed_model):
+def test_native_step_reads_only_the_executed_groups_weights(fmt, arch, routed_model):
     """The native step's weight-byte count equals the bytes of the executed groups' blocks (int8 /
-    int4: with their scales), the K/V rows and the LM head; a skipped group adds nothing."""
+    int4: with their scales), the K/V rows and the LM head; a skipped group adds nothing (Gemma 3
+    too, whose layer 1 attention executes no group: no post-norm then either)."""
     from test_weight_formats import _group_spans
 
-    rt = Runtime.from_model(routed_model("llama"), backend="cpu", weight_format=fmt)
+    rt = Runtime.from_model(routed_model(arch), backend="cpu", weight_format=fmt)
     keep = {(0, "attention"): [False, True], (0, "ffn"): [True, False, False, True],
             (1, "attention"): [False, False], (1, "ffn"): [True] * 4}  # fmt: skip
     rt.forced = {k: torch.tensor(v) for k, v in keep.items()}
@@ -235,11 +238,12 @@ def test_native_step_reads_only_the_executed_groups_weights(fmt, routed_model):
     assert rt.counter.weight_bytes == want
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "gemma3"])
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
-def test_portable_build_matches_the_reference(fmt, routed_model, random_masks):
+def test_portable_build_matches_the_reference(fmt, kind, routed_model, random_masks):
     """The C paths for CPUs without AVX-512 (built without -march=native) against the oracle."""
     lib = cpu_native.load(cpu_native.build(portable=True))
-    model = routed_model("qwen2")
+    model = routed_model(kind)
     ref = Runtime.from_model(model, backend="reference", weight_format=fmt)
     nat = Runtime.from_model(model, backend="cpu", weight_format=fmt)
     ids, steps = _prompt(20), 6
@@ -283,7 +287,7 @@ def _decode_batch(rt: Runtime, ids, valid, tokens: list[list[int]] | None, steps
     return torch.stack(out), toks
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral-window"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral-window", "gemma3"])
 def test_batched_native_step_matches_the_torch_step_with_routers(kind, routed_model):
     """Four rows of mixed prompt lengths (left padding) decode in one native call per step: same
     tokens, decisions and router multiply-adds as the PyTorch step, logits within fp32 noise, and
@@ -654,3 +658,55 @@ def test_native_step_counts_the_lowrank_maps_it_runs():
         (mac_on, bytes_on), (mac_off, bytes_off) = counts[(B, True)], counts[(B, False)]
         assert mac_on - mac_off == B * (routed - maps)
         assert bytes_on - bytes_off == 4 * (routed - maps)  # a batch reads each group's weights or maps once
+
+
+# ------------------------------------------------------------------------------------- Gemma 3
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("p_skip", [0.0, 0.5, 1.0])
+def test_native_step_runs_gemma3_as_the_reference(fmt, p_skip, random_masks):
+    """Gemma 3 (sandwich norms scaling by 1 + w, GELU-tanh, MQA, query scale 24 ** -0.5, embeddings
+    times sqrt(D), a window of 8 slots and a RoPE base per layer type) with ``lowrank:4`` stand-ins
+    in the native step against the reference backend, one row after a 12-token prompt (past the
+    window) and a batch of two rows with their own masks. At p_skip 0.5 some tokens skip every group
+    of a block (two attention groups: a quarter of them), which then adds nothing; at 1.0 all do."""
+    from tests._exports import feature_model
+
+    model, _ = feature_model("gemma3", standin="lowrank:4", seed=2)
+    steps = 6
+    ref, nat = _against_reference(model, fmt, _prompt(12), steps,
+                                  random_masks(model, 1, 12 + steps + 1, p_skip, seed=3))
+    ids2 = torch.cat([_prompt(12, seed=7), _prompt(12, seed=8)])
+    ref.forced = nat.forced = random_masks(model, 2, 12 + steps + 1, p_skip, seed=4)
+    caches = [rt.new_cache(2, 32) for rt in (ref, nat)]
+    lg = [rt.step(ids2, None, c) for rt, c in zip((ref, nat), caches)]
+    for _ in range(steps):
+        t = lg[0].argmax(-1, keepdim=True)
+        lg = [rt.step(t, None, c) for rt, c in zip((ref, nat), caches)]
+        torch.testing.assert_close(lg[1], lg[0], atol=_atol(fmt, lg[0]), rtol=0)
+
+
+def test_native_step_skips_a_gemma3_block_that_executes_no_group():
+    """A token that executes no group of a Gemma 3 block adds nothing: the native step reads
+    neither the block's groups nor its low-rank stand-in maps (their output would be dropped),
+    only the K/V rows and the LM head, and its logits are the reference's."""
+    from tests._exports import feature_model
+
+    model, _ = feature_model("gemma3", standin="lowrank:4", seed=2)
+    ref = Runtime.from_model(model, backend="reference")
+    nat = Runtime.from_model(model, backend="cpu")
+    for rt in (ref, nat):
+        rt.forced = {(i, mod): torch.zeros(m.attn_groups if mod == "attention" else m.ffn_groups, dtype=torch.bool)
+                     for i, m in enumerate(rt.meta) for mod in ("attention", "ffn")}
+    caches = [rt.new_cache(1, 16) for rt in (ref, nat)]
+    for rt, c in zip((ref, nat), caches):
+        rt.step(_prompt(10), None, c)
+    nat.counter.reset()
+    want, got = (rt.step(torch.tensor([[9]]), None, c) for rt, c in zip((ref, nat), caches))
+    assert isinstance(nat._native, cpu_native.NativeDecoder)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    D, V = nat.hidden_size, nat.vocab_size
+    kv = sum(2 * m.num_kv_heads * m.head_dim for m in nat.meta) * D
+    assert nat.counter.macs == kv + V * D
+    assert nat.counter.weight_bytes == 4 * (kv + V * D)

@@ -40,7 +40,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "cpu_decode.c"
-ABI = 11
+ABI = 12
 #: Rows of one native step (the C WIDE_MAX_BATCH: a group's rows are one 64-bit set).
 MAX_BATCH = 64
 FMT_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -58,13 +58,16 @@ class _WLayer(ctypes.Structure):
                           "ln_ffn", "q_norm", "k_norm", "ra_w", "ra_b", "rf_w", "rf_b", "sa", "sf", "sa_in",
                           "sa_out", "sf_in", "sf_out")
     ] + [("sa_r", _I64), ("sf_r", _I64)] + [(n, _P) for n in ("keep_a", "keep_f", "k_cache", "v_cache")] + [
-        (n, _I64) for n in ("keep_a_stride", "keep_f_stride")]  # fmt: skip
+        (n, _I64) for n in ("keep_a_stride", "keep_f_stride")] + [
+        (n, _P) for n in ("ln_attn_out", "ln_ffn_out", "inv_freq")] + [("gelu", _I64)] + [
+        (n, ctypes.c_float) for n in ("rope_scale", "attn_scale")]  # fmt: skip
 
 
 class _WModel(ctypes.Structure):
-    _fields_ = [(n, _I64) for n in ("L", "D", "V", "max_len", "wfmt", "act_bf16", "head_fmt", "routing", "nthreads")] + [
-        ("eps", ctypes.c_float), ("rope_scale", ctypes.c_float),
-    ] + [(n, _P) for n in ("inv_freq", "embed", "final_norm", "head", "head_s", "layers", "stat_skipped",
+    _fields_ = [(n, _I64) for n in ("L", "D", "V", "max_len", "wfmt", "act_bf16", "head_fmt", "routing", "nthreads",
+                                    "norm_fp32")] + [
+        ("eps", ctypes.c_float), ("embed_scale", ctypes.c_float),
+    ] + [(n, _P) for n in ("embed", "final_norm", "head", "head_s", "layers", "stat_skipped",
                            "stat_decisions")]  # fmt: skip
 
 
@@ -344,6 +347,9 @@ class NativeDecoder:
                 w.o, w.down = self._blocked(p.o), self._blocked(p.down)
             w.bqkv, w.bo = f32(p.bqkv), f32(p.bo)
             w.ln_attn, w.ln_ffn, w.q_norm, w.k_norm = f32(m.ln_attn), f32(m.ln_ffn), f32(m.q_norm), f32(m.k_norm)
+            w.ln_attn_out, w.ln_ffn_out = f32(m.ln_attn_out), f32(m.ln_ffn_out)
+            inv, w.rope_scale = rt.ropes[m.rope]
+            w.inv_freq, w.attn_scale, w.gelu = f32(inv), m.attn_scale, int(p.act == "gelu_tanh")
             ra, rf = m.routers["attention"], m.routers["ffn"]
             w.ra_w, w.ra_b = (f32(ra[0]), f32(ra[1])) if ra is not None else (None, None)
             w.rf_w, w.rf_b = (f32(rf[0]), f32(rf[1])) if rf is not None else (None, None)
@@ -359,8 +365,10 @@ class NativeDecoder:
         mdl.L, mdl.D, mdl.V = L, rt.hidden_size, rt.vocab_size
         mdl.wfmt = _proj_fmt(rt.layers[0].qkv)
         mdl.act_bf16 = int(rt.dtype == torch.bfloat16)
-        mdl.eps, mdl.rope_scale = float(rt.eps), float(rt.rope_scale)
-        mdl.inv_freq, mdl.final_norm = f32(rt.inv_freq), f32(rt.final_norm)
+        mdl.eps = float(rt.eps)
+        mdl.embed_scale = 1.0 if rt.embed_scale is None else float(rt.embed_scale)
+        mdl.norm_fp32 = int(rt.norm_fp32)
+        mdl.final_norm = f32(rt.final_norm)
         mdl.embed = _ptr(rt.embed)
         mdl.head, mdl.head_s = _proj_ptrs(rt.head)
         mdl.head_fmt = _proj_fmt(rt.head)
@@ -386,11 +394,11 @@ class NativeDecoder:
             return f"compute dtype {rt.dtype}"
         if rt.head is None:
             return "no LM head in the backend's format"
-        if rt.norm_fp32 or any(m.ln_attn_out is not None or m.ln_ffn_out is not None for m in rt.meta):
-            return "Gemma 3's layer (sandwich norms, GELU-tanh gating)"
         d = {m.head_dim for m in rt.meta}
-        if len(d) > 1 or 2 * rt.inv_freq.numel() != d.pop():
+        if len(d) > 1 or any(2 * rt.ropes[m.rope][0].numel() != m.head_dim for m in rt.meta):
             return "head dims differ between layers"
+        if any(p.act not in ("silu", "gelu_tanh") for p in rt.layers):
+            return "an FFN activation the step does not run"
         for m in rt.meta:
             if max(m.attn_groups, m.ffn_groups, m.num_heads) > 4096 or m.attn_group_size * m.head_dim > 4096:
                 return "more than 4096 groups or heads in a layer"
