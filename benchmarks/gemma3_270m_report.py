@@ -1,0 +1,123 @@
+"""Write docs/results/gemma3-270m.md from the files `benchmarks/gemma3_270m.sh` leaves in OUT:
+parity.json, prune-gemma3-{wide,sd}.json, quality-{wikitext,tasks}-*.json, speed.json, text.json.
+Missing files leave their section out (the page says so). Usage:
+python benchmarks/gemma3_270m_report.py OUT_DIR"""
+
+import json
+import platform
+import sys
+from pathlib import Path
+
+from transformers import AutoConfig
+
+from wide_cli.cost import cost_model
+from wide_cli.models.arch import model_shape
+from wide_cli.models.loader import resolve_source
+
+out = Path(sys.argv[1])
+ROWS = [("gemma3-270m", "dense", "gemma3-270m"),
+        ("gemma3-wide", "wide: the recipe (2 layers removed + width routed to 0.85 of dense FLOPs)",
+         "runs/gemma3-wide/export"),
+        ("gemma3-sd", "static depth: 7 layers removed (0.85 of dense FLOPs) + LoRA", "runs/gemma3-sd/export")]
+
+
+def load(name):
+    p = out / name
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def cpu_model():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+lines = ["# Gemma 3 270M: dense parity, width routing against static depth, speed", "",
+         ("Written by `benchmarks/gemma3_270m_report.py` from the files `benchmarks/gemma3_270m.sh` wrote "
+         "(`benchmarks/gemma3_270m.sh parity wide static-depth quality speed text report`). "
+         f"Machine: {cpu_model()}, 1 thread per process."), ""]
+
+# where a token's cost goes: the tied head, which no routing touches
+local_dir, _, _ = resolve_source("gemma3-270m")
+shape = model_shape(AutoConfig.from_pretrained(local_dir))
+lines += ["## Where a token's cost goes", "",
+          ("| metric | lm_head (tied, 262,144 x 640) | 18 layers | routable (q/o rows, FFN channels) | "
+          "ideal speed-up of width routing alone at 50 % routed sparsity |"), "|---|---|---|---|---|"]
+for metric in ("flops", "decode_bytes"):
+    cm = cost_model(shape, metric=metric, attn_group_size=1, ffn_group_size=128, seq_len=256)
+    head = shape.vocab_size * shape.hidden_size * (2 if metric == "flops" else 1)
+    routable = 1.0 - cm.floor_fraction
+    lines.append(f"| {metric} | {head / cm.dense_total:.1%} | {1 - cm.model_floor / cm.dense_total:.1%} | "
+                 f"{routable:.1%} | {1 / (1 - 0.5 * routable):.2f}x |")
+lines += ["", ("The head is most of what a token costs; width routing alone cannot buy much on this model, "
+          "so the recipe also removes layers (hybrid), and the speed section below measures what that buys."), ""]
+
+par = load("parity.json")
+if par:
+    lines += ["## Dense parity", "",
+              (f"Token-level WikiText-2 perplexity, first {par['pages']} pages, {par['seq_len']}-token windows "
+              f"({par['tokens_scored']:,} tokens scored), fp32: `wide eval`'s path (wide's loader and cache) "
+              f"**{par['wide_eval_perplexity']:.4f}**, transformers' own forward of the same GGUF weights "
+              f"**{par['transformers_perplexity']:.4f}** (relative difference {par['relative_difference']:+.2e}). "
+              f"Model: {par['model']}."), ""]
+
+quality = {}
+for slug, _, _ in ROWS:
+    q = {}
+    for kind in ("wikitext", "tasks"):
+        rep = load(f"quality-{kind}-{slug}.json")
+        if rep:
+            q[kind] = rep["rows"][0]
+    quality[slug] = q
+speed = {r["name"]: r for r in (load("speed.json") or {"rows": []})["rows"]}
+prunes = {slug: load(f"prune-{slug}.json") for slug, _, _ in ROWS[1:]}
+
+if any(quality.values()) or speed:
+    lines += ["## Dense, wide and static depth at the same FLOPs", "",
+              ("| model | FLOPs of dense | WikiText-2 ppl | task avg % | decode x dense | prefill x dense | "
+              "held-out ppl (recipe data) | training |"), "|---|---|---|---|---|---|---|---|"]
+    task_names = []
+    for slug, label, target in ROWS:
+        q = quality[slug]
+        wt = q.get("wikitext", {}).get("results", {}).get("wikitext", {}).get("summary_value")
+        tr = q.get("tasks", {}).get("results", {})
+        tasks = {k: v["summary_value"] for k, v in tr.items()}
+        task_names = task_names or list(tasks)
+        flops = (q.get("wikitext") or q.get("tasks") or {}).get("flops", {}) or {}
+        sp = speed.get(target, {})
+        rep = prunes.get(slug)
+        held = f"{rep['eval']['pruned']['perplexity']:.2f} (dense {rep['eval']['dense']['perplexity']:.2f})" \
+            if rep else "-"
+        train = f"{rep['train']['steps']} steps, {rep['train']['seconds'] / 60:.0f} min" if rep else "-"
+        lines.append(f"| {label} | {flops.get('relative', 1.0):.3f} | {'-' if wt is None else f'{wt:.2f}'} | "
+                     f"{'-' if not tasks else f'{100 * sum(tasks.values()) / len(tasks):.2f}'} | "
+                     f"{sp.get('decode_speedup', float('nan')):.2f} | {sp.get('prefill_speedup', float('nan')):.2f} | "
+                     f"{held} | {train} |")
+    if task_names:
+        lines += ["", "| model | " + " | ".join(task_names) + " |", "|---|" + "---|" * len(task_names)]
+        for slug, label, _ in ROWS:
+            tr = quality[slug].get("tasks", {}).get("results", {})
+            lines.append(f"| {label} | " + " | ".join(
+                f"{100 * tr[t]['summary_value']:.1f}" if t in tr else "-" for t in task_names) + " |")
+    any_q = next((q for q in quality.values() if q), {})
+    wt_pages = any_q.get("wikitext", {}).get("results", {}).get("wikitext", {}).get("dataset", {}).get("n_documents")
+    limit = any_q.get("tasks", {}).get("settings", {}).get("limit") if "tasks" in any_q else None
+    lines += ["", (f"Protocol: WikiText-2 test, token level, 256-token windows, first {wt_pages} of 62 pages; "
+              f"the seven tasks (acc_norm where lm-eval reports it) on their first {limit} items each; bf16. "
+              "Speed: `wide compare`'s protocol (the runtime's native decode step, fp32, 1 thread, batch 1, "
+              "round-robin, median of rounds, dense first in the same run). Training: both runs use the "
+              "recipe's data (CPython's pydoc topics), 4 x 256 tokens per step, distillation to the dense "
+              "model; wide trains routers, stand-ins and LoRA together, static depth trains LoRA."), ""]
+
+text = load("text.json")
+if text:
+    lines += ["## Greedy continuations (`wide generate`, the runtime)", ""]
+    lines += ["```", json.dumps(text, indent=1)[:4000], "```", ""]
+
+page = "\n".join(lines).rstrip() + "\n"
+(out.parent / "gemma3-270m.md").write_text(page)
+print(page)
