@@ -23,8 +23,8 @@ WIDE=${WIDE:-.venv/bin/wide}
 PY=${PY:-.venv/bin/python}
 DATA_DIR=${DATA_DIR:-../shared/data}
 OUT=${OUT:-docs/results/gemma3-270m}
-PAGES=${PAGES:-16}
-LIMIT=${LIMIT:-100}
+PAGES=${PAGES:-8}
+LIMIT=${LIMIT:-50}
 STEPS=${STEPS:-120}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
 mkdir -p runs "$OUT"

@@ -115,8 +115,14 @@ if any(quality.values()) or speed:
 
 text = load("text.json")
 if text:
-    lines += ["## Greedy continuations (`wide generate`, the runtime)", ""]
-    lines += ["```", json.dumps(text, indent=1)[:4000], "```", ""]
+    names = {target: label.split(":")[0] for _, label, target in ROWS}
+    lines += ["## Greedy continuations (`wide generate`, the runtime's cpu backend, fp32)", "",
+              "| prompt | " + " | ".join(names.get(m["model"], m["model"]) for m in text["models"]) + " |",
+              "|---|" + "---|" * len(text["models"])]
+    for i, prompt in enumerate(text["prompts"]):
+        cells = [m["texts"][i].replace("\n", " / ").replace("|", "\\|").strip() for m in text["models"]]
+        lines.append(f"| {prompt} | " + " | ".join(cells) + " |")
+    lines.append("")
 
 page = "\n".join(lines).rstrip() + "\n"
 (out.parent / "gemma3-270m.md").write_text(page)
