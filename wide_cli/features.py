@@ -28,7 +28,7 @@ static_depth          +          +    +       +     -   +     +
 static_width_keep     +          +    +       +     -   +     -
 static_width_compact  -          -    -       -     +   -     -
 qk_norm               +          +    +       +     +   +     -
-gemma3_layer          +          +    +       -     -   -     -
+gemma3_layer          +          +    +       -     +   -     -
 qkv_bias              +          +    +       +     +   +     -
 o_bias                +          +    +       +     +   +     -
 mlp_bias              -          -    -       -     +   -     -
@@ -115,7 +115,7 @@ SUPPORT: dict[str, frozenset[str]] = {
     # an hf export is never int8 / int4 nor --format wide; static width is narrowed physically in it
     # (write_hf), and static depth is a plain checkpoint that needs no modeling code
     "hf": frozenset(FEATURES.keys() - {"static_depth", "static_width_keep", "weights_int8", "weights_int4",
-                                                  "format_wide", "gemma3_layer"}),
+                                                  "format_wide"}),
     # the routed FFN op has no biases; vLLM's RoPE is not transformers' length-dependent one;
     # int8 / int4 weights are wide's own layouts; the fused routed ops add constant stand-ins only
     "vllm": frozenset(FEATURES.keys() - {"static_width_compact", "mlp_bias", "rope_dynamic", "weights_int8",

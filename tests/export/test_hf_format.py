@@ -84,7 +84,7 @@ def test_exported_file_is_the_generated_one(tmp_path):
 @pytest.mark.parametrize(
     "kind,over",
     [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("qwen2", {}), ("qwen3", {"head_dim": 32}),
-     ("mistral", {})],
+     ("mistral", {}), ("gemma3", {}), ("gemma3", {"tie_word_embeddings": False})],
 )
 def test_hf_export_logits_equal_wide_loader(tmp_path, kind, over):
     model, cfg = _routed(kind, **over)
@@ -95,15 +95,17 @@ def test_hf_export_logits_equal_wide_loader(tmp_path, kind, over):
     with torch.no_grad():
         a, b = ref(IDS).logits, got(IDS).logits
     assert (a - b).abs().max().item() <= ATOL
-    assert type(got).__name__ == f"Wide{ARCH_PREFIX[kind]}ForCausalLM"
+    assert type(got).__name__ == f"Wide{ARCH_PREFIX[model.config.model_type]}ForCausalLM"
     # routing actually happens: some groups skip on this input
     got.wide_routing.trace = []
     with torch.no_grad():
         got(IDS)
     trace = got.wide_routing.trace
     assert len(trace) == 2 * 2 and any(not ex.all() for _, _, ex in trace)
-    if over.get("tie_word_embeddings"):
+    if model.config.tie_word_embeddings:  # tiny-gemma3 ties them, as Gemma 3 does
         assert got.lm_head.weight.data_ptr() == got.model.embed_tokens.weight.data_ptr()
+    else:
+        assert got.lm_head.weight.data_ptr() != got.model.embed_tokens.weight.data_ptr()
 
 
 def test_hf_export_files_config_and_router_tensors(tmp_path):
@@ -270,6 +272,42 @@ def test_standin_hybrid_hf_export_matches_the_reference_backend_without_wide(tmp
     assert res["tokens"] == rt.generate([IDS[0].tolist()], max_new_tokens=10, ignore_eos=True).tokens[0]
 
 
+@pytest.mark.parametrize("standin", ["none", "trained", "lowrank:4"])
+def test_gemma3_hf_export_routes_sandwich_norm_blocks_like_the_training_layer(tmp_path, standin):
+    """Gemma 3's routed block output (executed groups plus stand-ins) goes through the block's
+    output norm, and a token that executes no group of a block adds exactly nothing: layer 0's
+    attention skips every group for every token here (router biases of -30), so with stand-ins
+    on, a wrong order (stand-ins renormalised to a full block's scale) shows in the logits. The
+    hf export, loaded where wide is not importable, gives the in-memory training layer's logits
+    and greedy tokens (EOS ignored)."""
+    from tests._exports import feature_model
+
+    model, wc = feature_model("gemma3", standin=standin)
+    with torch.no_grad():
+        model.model.layers[0].router_attention.router.bias.fill_(-30.0)
+        st = model.wide_routing
+        st.trace = []
+        ref = model(IDS).logits
+        trace, st.trace = st.trace, None
+        model.generation_config.eos_token_id = None
+        ref_tokens = model.generate(IDS[:1], max_new_tokens=10, do_sample=False, pad_token_id=0)[0, IDS.shape[1]:]
+    skipped_block = {(layer, m): bool((~ex).all(-1).any()) for layer, m, ex in trace}
+    assert skipped_block[(0, "attention")] and not all(ex.all() for _, _, ex in trace)
+    hf = export_model(model, char_tokenizer(), tmp_path / "hf_gemma3", wide_config=wc, export_format="hf").path
+    res = _without_wide(tmp_path, f"""
+        m = AutoModelForCausalLM.from_pretrained({str(hf)!r}, trust_remote_code=True).eval()
+        m.generation_config.eos_token_id = None  # greedy through EOS, like --ignore-eos
+        ids = torch.tensor({IDS.tolist()!r})
+        with torch.no_grad():
+            logits = m(ids).logits.tolist()
+            tokens = m.generate(ids[:1], max_new_tokens=10, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        print(json.dumps({{"logits": logits, "tokens": tokens, "cls": type(m).__name__}}))
+    """)
+    assert res["cls"] == "WideGemma3ForCausalLM"
+    assert (torch.tensor(res["logits"]) - ref).abs().max().item() <= ATOL
+    assert res["tokens"] == ref_tokens.tolist()
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_hf_export_refuses_quantized_weights_before_writing(fmt, tmp_path):
     from wide_cli.features import UnsupportedFeature
@@ -297,7 +335,11 @@ def _static(kind="llama", **over):
     return model, cfg
 
 
-@pytest.mark.parametrize("kind,over", [("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 32})])
+@pytest.mark.parametrize("kind,over", [
+    ("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 32}),
+    # layer 2 keeps no head: its attention block outputs zero through the sandwich norm
+    ("gemma3", {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+])
 def test_static_width_hf_is_physically_smaller_and_matches_masked_model(tmp_path, kind, over):
     model, cfg = _static(kind, **over)
     with torch.no_grad():
@@ -314,18 +356,19 @@ def test_static_width_hf_is_physically_smaller_and_matches_masked_model(tmp_path
         gen = got.generate(IDS[:1, :5], max_new_tokens=6, do_sample=False, pad_token_id=2)
     assert diff <= ATOL
     assert torch.equal(gen, ref_gen)  # decode with the KV cache, per-layer widths
-    d = 32 if kind == "qwen3" else 16
+    d = getattr(model.config, "head_dim", None) or 64 // 4  # Qwen2: D / H
+    kv = model.config.num_key_value_heads
     with safe_open(str(hf / "model.safetensors"), "pt") as f:
         assert tuple(f.get_tensor("model.layers.0.self_attn.q_proj.weight").shape) == (2 * d, 64)
         assert tuple(f.get_tensor("model.layers.0.self_attn.o_proj.weight").shape) == (64, 2 * d)
         assert tuple(f.get_tensor("model.layers.1.mlp.down_proj.weight").shape) == (64, 32)
         assert tuple(f.get_tensor("model.layers.2.self_attn.q_proj.weight").shape) == (0, 64)
         for i in range(3):  # KV heads are never removed
-            assert tuple(f.get_tensor(f"model.layers.{i}.self_attn.k_proj.weight").shape) == (2 * d, 64)
-            assert tuple(f.get_tensor(f"model.layers.{i}.self_attn.v_proj.weight").shape) == (2 * d, 64)
+            assert tuple(f.get_tensor(f"model.layers.{i}.self_attn.k_proj.weight").shape) == (kv * d, 64)
+            assert tuple(f.get_tensor(f"model.layers.{i}.self_attn.v_proj.weight").shape) == (kv * d, 64)
         if kind == "qwen2":
             assert tuple(f.get_tensor("model.layers.1.self_attn.q_proj.bias").shape) == (3 * d,)
-        if kind == "qwen3":
+        if kind in ("qwen3", "gemma3"):
             assert tuple(f.get_tensor("model.layers.0.self_attn.q_norm.weight").shape) == (d,)
         assert not any(".router_" in k for k in f.keys())  # noqa: SIM118 (safe_open is not a dict)
     assert (hf / "model.safetensors").stat().st_size < 0.8 * (wide / "model.safetensors").stat().st_size

@@ -217,7 +217,7 @@ def write_hf(model, tokenizer, dest: Path, *, export_id: str, max_shard_size: st
 
 # ----------------------------------------------------------------------------- loader
 def hf_base_model_type(path) -> str:
-    """The base ``model_type`` (llama, mistral, qwen2, qwen3) of an hf-format export, read from
+    """The base ``model_type`` (llama, mistral, qwen2, qwen3, gemma3_text) of an hf-format export, read from
     its ``config.json`` as data.
 
     Raises:

@@ -26,7 +26,13 @@ MODELING_FILE = HF_MODELING_FILE
 CONFIGURATION_FILE = HF_CONFIGURATION_FILE
 
 #: base ``model_type`` -> transformers class-name prefix (``{prefix}ForCausalLM`` ...).
-ARCH_PREFIX: dict[str, str] = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+ARCH_PREFIX: dict[str, str] = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+                               "gemma3_text": "Gemma3"}
+#: base ``model_type`` -> its ``transformers.models`` package, where that is not the model type
+#: (the text-only Gemma 3 lives in the multimodal ``gemma3`` package).
+_TRANSFORMERS_MODULE: dict[str, str] = {"gemma3_text": "gemma3"}
+#: base ``model_type`` -> its transformers config class, where that is not ``{prefix}Config``.
+_CONFIG_CLASS: dict[str, str] = {"gemma3_text": "Gemma3TextConfig"}
 
 #: ``(module, name)`` of every definition copied verbatim into ``modeling_wide.py``, in
 #: dependency order. Everything the routed forward calls is here; nothing is re-implemented.
@@ -48,6 +54,7 @@ COPIED: tuple[tuple[str, str], ...] = (
     ("wide_cli.routing.layer", "routed_layer_forward"),
     ("wide_cli.routing.layer", "checkpointed_call"),
     ("wide_cli.routing.layer", "_routed_layer_body"),
+    ("wide_cli.routing.layer", "sublayer_output"),
     ("wide_cli.features", "export_features"),
 )
 #: module-level constants the copied code reads (copied by value).
@@ -85,7 +92,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
-from transformers.models.{mt}.modeling_{mt} import {prefix}DecoderLayer, {prefix}ForCausalLM
+from transformers.models.{tm}.modeling_{tm} import {prefix}DecoderLayer, {prefix}ForCausalLM
 
 from .configuration_wide import Wide{prefix}Config
 
@@ -121,7 +128,7 @@ def compact_attention(
     q = attn.q_proj(hidden_states).view(hidden_shape)
     k = attn.k_proj(hidden_states).view(hidden_shape)
     v = attn.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+    if hasattr(attn, "q_norm"):  # Qwen3, Gemma 3: per-head RMSNorm before RoPE
         q = attn.q_norm(q)
         k = attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H_l, T, d], [B, H_kv, T, d]
@@ -166,18 +173,29 @@ def compact_layer_forward(
     **kwargs,
 ) -> torch.Tensor:
     """Forward of a physically narrowed static-width layer (no routers: the same heads and
-    channels run for every token). ``[B, T, D]`` -> ``[B, T, D]``."""
+    channels run for every token). ``[B, T, D]`` -> ``[B, T, D]``.
+
+    With sandwich norms (Gemma 3) each block's output goes through its output norm, as in
+    ``_routed_layer_body``; a block with every group removed outputs zero, and the norm of zero is
+    zero, so it adds nothing (``sublayer_output`` of a token that executes no group).
+    """
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
     else:
         kwargs.pop("past_key_values", None)
+    sandwich = hasattr(self, "pre_feedforward_layernorm")
     residual = hidden_states
     h = self.input_layernorm(hidden_states)
     h = compact_attention(self.self_attn, h, position_embeddings, attention_mask, cache, position_ids=position_ids, **kwargs)
+    if sandwich:
+        h = self.post_attention_layernorm(h)
     hidden_states = residual + h
     residual = hidden_states
-    h = self.post_attention_layernorm(hidden_states)
-    return residual + routed_mlp(self.mlp, h, None)
+    h = (self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm)(hidden_states)
+    h = routed_mlp(self.mlp, h, None)
+    if sandwich:
+        h = self.post_feedforward_layernorm(h)
+    return residual + h
 
 
 class Wide{prefix}DecoderLayer({prefix}DecoderLayer):
@@ -278,10 +296,10 @@ The base {prefix} config plus the wide fields (``wide_routing``, and for static 
 ``wide_layer_heads`` / ``wide_layer_intermediate_sizes``) read by modeling_wide.py.
 """
 
-from transformers.models.{mt}.configuration_{mt} import {prefix}Config
+from transformers.models.{tm}.configuration_{tm} import {base_config}
 
 
-class Wide{prefix}Config({prefix}Config):
+class Wide{prefix}Config({base_config}):
     model_type = "wide_{mt}"
 
 
@@ -300,6 +318,11 @@ def _prefix(model_type: str) -> str:
         ) from None
 
 
+def _transformers_module(model_type: str) -> str:
+    """The ``transformers.models`` package of base ``model_type`` (``gemma3_text`` -> ``gemma3``)."""
+    return _TRANSFORMERS_MODULE.get(model_type, model_type)
+
+
 def _obj(module: str, name: str):
     return getattr(importlib.import_module(module), name)
 
@@ -310,13 +333,15 @@ def copied_sources() -> dict[str, str]:
 
 
 def render_modeling(model_type: str, version: str = __version__) -> str:
-    """The text of ``modeling_wide.py`` for base ``model_type`` (llama, mistral, qwen2, qwen3);
+    """The text of ``modeling_wide.py`` for base ``model_type`` (llama, mistral, qwen2, qwen3,
+    gemma3_text);
     ``version`` is only the wide version the file names (the code is always this package's)."""
     prefix = _prefix(model_type)
     from wide_cli.features import SUPPORT
 
     supported = tuple(sorted(SUPPORT["hf"]))
-    fmt = {"version": version, "prefix": prefix, "mt": model_type, "features": ", ".join(supported)}
+    fmt = {"version": version, "prefix": prefix, "mt": model_type, "tm": _transformers_module(model_type),
+           "features": ", ".join(supported)}
     parts = [_HEADER.format(**fmt)]
     for mod, name in CONSTANTS:
         parts.append(f"{name} = {_obj(mod, name)!r}  # from {mod}\n")
@@ -333,7 +358,10 @@ def render_modeling(model_type: str, version: str = __version__) -> str:
 
 def render_configuration(model_type: str, version: str = __version__) -> str:
     """The text of ``configuration_wide.py`` for base ``model_type``."""
-    return _CONFIGURATION.format(version=version, prefix=_prefix(model_type), mt=model_type)
+    prefix = _prefix(model_type)
+    return _CONFIGURATION.format(version=version, prefix=prefix, mt=model_type,
+                                 tm=_transformers_module(model_type),
+                                 base_config=_CONFIG_CLASS.get(model_type, f"{prefix}Config"))
 
 
 #: the generated files, in import order, with their renderers.
