@@ -109,6 +109,21 @@ def test_preflight_refuses_what_the_plugin_cannot_run_naming_feature_and_file(ex
     assert "starting vLLM" not in r.stderr
 
 
+@pytest.mark.parametrize("export_format", ["wide", "hf"])
+def test_preflight_refuses_a_gemma3_export_naming_the_layer_and_what_to_use(export_factory, export_format):
+    """The plugin has no Gemma 3 layer (sandwich norms, GELU-tanh gating): `wide serve` says so by
+    the feature, with the runtime as the way to run it, before vLLM starts (one line, exit 2)."""
+    from wide_cli.features import FEATURES, IMPLEMENTATIONS
+
+    export = export_factory("gemma3", export_format)
+    r = _wide(["serve", export, "--port", _free_port()], env={"WIDE_SERVE_PYTHON": sys.executable})
+    assert r.returncode == 2
+    what, file = FEATURES["gemma3_layer"]
+    name, fix = IMPLEMENTATIONS["vllm"]
+    assert _error_line(r) == f"error: {export / file}: {what} [gemma3_layer] is not supported by {name} ({fix})"
+    assert "starting vLLM" not in r.stderr
+
+
 def test_preflight_follows_the_feature_table(export_factory, monkeypatch):
     from wide_cli import features
     from wide_cli.features import UnsupportedFeature

@@ -86,10 +86,10 @@ def serve_plan(export, *, mode: str = "routed") -> ServePlan:
 
     Raises:
         CheckpointError: not a directory, or no ``wide_config.json`` / ``config.json``.
-        ModelSourceError: an architecture the plugin does not serve.
         UnsupportedFeature: an export feature the plugin does not run (``wide_cli.features``, row
-            ``vllm``: e.g. int8 weights, a physically narrowed static-width hf export), naming
-            the feature and the file.
+            ``vllm``: e.g. int8 weights, a physically narrowed static-width hf export, the Gemma 3
+            layer), naming the feature and the file; checked first.
+        ModelSourceError: another architecture the plugin does not serve.
         ConfigError: an unknown ``mode``.
     """
     if mode not in SERVE_MODES:
@@ -102,6 +102,12 @@ def serve_plan(export, *, mode: str = "routed") -> ServePlan:
     info = ExportInfo.read(path)
     wcfg, cfg = info.wide_config, _read_json(info.config_path, CONFIG_JSON)
     export_format = info.export_format
+    from wide_cli.features import check_export
+
+    # what the plugin cannot run is refused here, not inside the engine; before the architecture,
+    # so that a model wide supports elsewhere (Gemma 3) is refused by the feature it lacks, with
+    # what runs it instead
+    feats = check_export(path, "vllm")
     base_type = str(cfg.get("model_type", "")).removeprefix("wide_")
     arch = SERVED_ARCHITECTURES.get(base_type)
     if arch is None:
@@ -110,9 +116,6 @@ def serve_plan(export, *, mode: str = "routed") -> ServePlan:
             f"{path}: architecture {name!r} is not served by the wide vLLM plugin",
             f"supported: {', '.join(a.removeprefix('Wide') for a in SERVED_ARCHITECTURES.values())}",
         )
-    from wide_cli.features import check_export
-
-    feats = check_export(path, "vllm")  # what the plugin cannot run is refused here, not inside the engine
     method = info.method
     overrides: dict = {}
     if export_format == "wide" and not feats & ROUTED_FEATURES:
