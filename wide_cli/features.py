@@ -27,8 +27,8 @@ dropped_layers        +          +    +       +     +   +     +
 static_depth          +          +    +       +     -   +     +
 static_width_keep     +          +    +       +     -   +     -
 static_width_compact  -          -    -       -     +   -     -
-qk_norm               +          +    +       +     +   +     -
 gemma3_layer          +          +    +       -     +   -     -
+qk_norm               +          +    +       +     +   +     -
 qkv_bias              +          +    +       +     +   +     -
 o_bias                +          +    +       +     +   +     -
 mlp_bias              -          -    -       -     +   -     -
@@ -64,9 +64,11 @@ FEATURES: dict[str, tuple[str, str]] = {
     "static_depth": ("whole decoder layers removed (method static-depth)", _WIDE),
     "static_width_keep": ("static-width keep masks (method static-width)", _WIDE),
     "static_width_compact": ("static width physically narrowed per layer (wide_layer_heads)", _CONFIG),
-    "qk_norm": ("per-head q/k RMSNorm (Qwen3, Gemma 3)", _CONFIG),
+    # before qk_norm: an implementation without the Gemma 3 layer is refused by the layer, not
+    # by one of its parts (``unsupported`` names features in this order)
     "gemma3_layer": (("the Gemma 3 decoder layer (sandwich RMSNorms scaling by 1 + w, GELU-tanh gating, "
                       "embeddings scaled by sqrt(hidden_size), a RoPE base per layer type)"), _CONFIG),
+    "qk_norm": ("per-head q/k RMSNorm (Qwen3, Gemma 3)", _CONFIG),
     "qkv_bias": ("q/k/v projection biases", _CONFIG),
     "o_bias": ("an o_proj bias (attention_bias)", _CONFIG),
     "mlp_bias": ("gate/up/down biases (mlp_bias)", _CONFIG),
@@ -82,11 +84,14 @@ FEATURES: dict[str, tuple[str, str]] = {
     "format_hf": ("the hf export format (remote code, routers in the weight files)", _WIDE),
 }
 
-#: feature -> the fix to suggest when an implementation refuses it (else the implementation's).
-FIXES: dict[str, str] = {
+#: feature, or (feature, implementation) -> the fix to suggest when an implementation refuses it
+#: (else the implementation's); a pair wins over the feature alone.
+FIXES: dict[str | tuple[str, str], str] = {
     "static_width_compact": "use the run's --format wide export (`wide export --run-dir R`)",
     "weights_int8": "export fp32 weights (`wide export` without --weights int8)",
     "weights_int4": "export fp32 weights (`wide export` without --weights int4)",
+    ("gemma3_layer", "gguf"): ("export with --format wide or hf and run it with `wide generate`: wide writes GGUF "
+                               "files of llama.cpp's plain Llama graph only"),
 }
 
 #: implementation -> (its name in an error line, what to use instead when it refuses).
@@ -137,7 +142,7 @@ class UnsupportedFeature(ConfigError):
                  label: str | None = None):
         what, file = FEATURES[feature]
         name, fix = IMPLEMENTATIONS[implementation]
-        fix = FIXES.get(feature, fix)
+        fix = FIXES.get((feature, implementation), FIXES.get(feature, fix))
         self.feature, self.implementation = feature, implementation
         at = label if label is not None else str(Path(where) / file) if where is not None else file
         super().__init__(f"{at}: {what} [{feature}] is not supported by {name}", fix)

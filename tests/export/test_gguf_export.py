@@ -85,6 +85,31 @@ def test_routed_run_is_refused_before_anything_is_loaded(tmp_path, text_file, ca
     assert not out.exists() and not list(tmp_path.glob(".m.gguf*"))
 
 
+def test_gemma3_run_is_refused_by_its_layer_before_anything_is_loaded(tmp_path, text_file, capsys, monkeypatch):
+    """The GGUF writer writes llama.cpp's plain ``llama`` graph; a Gemma 3 run (here static depth,
+    which has no routers) is refused by the layer, read from the run's recorded model config, in
+    one line naming what runs it instead, before the model is loaded, and nothing is written."""
+    from wide_cli.features import FEATURES
+    from wide_cli.pipeline import stages
+
+    run = tmp_path / "run"
+    ok(["calibrate", "tiny-gemma3", "--data", str(text_file), "--run-dir", str(run), "--method", "static-depth",
+        "--cost-target", "0.7", *CAL])
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(stages, "export", no_loading)
+    out = tmp_path / "m.gguf"
+    assert main(["export", "--run-dir", str(run), "--out", str(out), "--format", "gguf"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    what, _ = FEATURES["gemma3_layer"]
+    assert lines[-1] == (f"error: run {run}: {what} [gemma3_layer] is not supported by llama.cpp (GGUF) (export "
+                         "with --format wide or hf and run it with `wide generate`: wide writes GGUF files of "
+                         "llama.cpp's plain Llama graph only)")
+    assert not out.exists() and not list(tmp_path.glob(".m.gguf*"))
+
+
 def test_llama_cpp_runs_the_gguf_with_the_runtimes_greedy_tokens(static_depth_run, tmp_path):
     """llama.cpp on the F16 GGUF, teacher-forced on the runtime's greedy tokens: logits within
     F16 rounding of the runtime's (fp32) at every step, and the same greedy token at every step

@@ -22,7 +22,7 @@ import torch
 from wide_cli.artifacts import is_router_tensor
 from wide_cli.atomic import atomic_write_json
 from wide_cli.errors import CheckpointError, ConfigError
-from wide_cli.filenames import ADAPTER_FILE, RESULT_JSON, STATS_FILE
+from wide_cli.filenames import ADAPTER_FILE, CONFIG_JSON, RESULT_JSON, STATS_FILE
 from wide_cli.pipeline.common import load_backbone, packed_data, stage_identity
 from wide_cli.pipeline.routers import (
     attach,
@@ -311,8 +311,9 @@ def export_gguf(settings: Settings, run: RunDir, out: Path, *, weight_format: st
 
     Raises:
         UnsupportedFeature: a feature llama.cpp does not run (``wide_cli.features``, row
-            ``gguf``): routers (checked before anything is loaded), biases, q/k norms, scaled
-            RoPE, sliding windows (checked on the written export, before the GGUF).
+            ``gguf``): routers, and what the run's recorded model config declares (the Gemma 3
+            layer, biases, q/k norms, scaled RoPE, sliding windows), checked before anything is
+            loaded, and again on the written export, before the GGUF.
         ConfigError: ``out`` is not a ``*.gguf`` path, or is something else than a GGUF file.
     """
     import os
@@ -324,7 +325,10 @@ def export_gguf(settings: Settings, run: RunDir, out: Path, *, weight_format: st
 
     out = Path(out)
     label = f"run {run.root}"
-    check_features(export_features({}, {"method": settings.routing.method, "routing": settings.routing.to_dict()}),
+    # the routing settings and the model config the run recorded: a routed run, or a model whose
+    # layer the writer has no graph for (Gemma 3), is refused before the model is loaded
+    check_features(export_features(_recorded_model_config(run), {"method": settings.routing.method,
+                                                                 "routing": settings.routing.to_dict()}),
                    "gguf", label=label)
     if out.suffix != ".gguf":
         raise ConfigError(f"--out {out}: a GGUF export is one file named *.gguf", f"e.g. --out {out.with_suffix('.gguf')}")
@@ -343,6 +347,21 @@ def export_gguf(settings: Settings, run: RunDir, out: Path, *, weight_format: st
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _recorded_model_config(run: RunDir) -> dict:
+    """The ``config.json`` of the run's model as ``run.json`` recorded its local copy, with its
+    config class defaults (``features.full_config``); ``{}`` when there is none to read (the
+    written export is checked again in any case)."""
+    from wide_cli.features import full_config
+
+    local = ((run.read_run() or {}).get("model") or {}).get("resolved_dir")
+    if not local or local == "None":
+        return {}
+    try:
+        return full_config(json.loads((Path(local) / CONFIG_JSON).read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return {}
 
 
 def _magic(path: Path) -> bytes:
