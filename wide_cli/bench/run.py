@@ -12,7 +12,7 @@ from wide_cli.bench.config import BenchConfig
 from wide_cli.bench.dense_work import decode_cost, dense_macs, flops_cost, weight_bytes
 from wide_cli.bench.quality import runtime_perplexity, wikitext_ids
 from wide_cli.bench.report import BenchEntry, BenchReport, fill_speedups
-from wide_cli.bench.systems import HFSystem, LlamaCppSystem, RuntimeSystem
+from wide_cli.bench.systems import HFSystem, LlamaCppSystem, RuntimeSystem, llama_class, original_gguf
 from wide_cli.bench.workload import prompt_batch, text_token_stream
 from wide_cli.errors import ConfigError
 from wide_cli.runtime.cpu_proj import prefill_path
@@ -42,6 +42,11 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
 
     log = log or (lambda msg: None)
     path = Path(path)
+    original = None
+    if "llama.cpp" in cfg.systems:  # refused here, before anything is loaded or written
+        llama_class()
+        # a model the GGUF writer has no graph for (Gemma 3) runs its original GGUF
+        original = original_gguf(path)
     weights = weights_from_export(path)
     tokenizer = load_tokenizer(path)
     notes = []
@@ -85,7 +90,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                     continue  # int8 / int4 kernels exist in the cpu backend only
                 systems[(label, s, fmt)] = RuntimeSystem(runtime_for(s, fmt), True, cfg.forced_sparsity, cfg.seed)
         if s == "llama.cpp":
-            llama_types = list(cfg.llama_cpp_types)
+            llama_types = [original.gguf_type] if original is not None else list(cfg.llama_cpp_types)
 
     quality = {}
     if cfg.ppl_tokens:
@@ -115,7 +120,12 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                 v["vs_routed_fp32"] = v["perplexity"] / base["perplexity"] - 1
 
     gguf_dir = None
-    if llama_types:
+    if llama_types and original is not None:
+        ggufs = {original.gguf_type: original.path}
+        notes.append(f"llama.cpp row: the model's original GGUF {original.path.name} ({original.gguf_type}, every "
+                     "layer of the unpruned model, not the export's weights: wide writes GGUF files of plain Llama "
+                     "models only), batch-1 shapes only")  # fmt: skip
+    elif llama_types:
         from wide_cli.runtime.gguf_writer import write_gguf
 
         gguf_dir = tempfile.TemporaryDirectory(prefix="wide-bench-gguf-")
@@ -171,13 +181,18 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                         frac = (work + routers) / dense
                         skips = work < dense * (1 - 1e-9)
                     ideal = None
-                    itemsize = {**BYTES_PER_WEIGHT, **GGUF_BYTES_PER_WEIGHT}[fmt]
+                    itemsizes = {**BYTES_PER_WEIGHT, **GGUF_BYTES_PER_WEIGHT}
+                    if original is not None:
+                        itemsizes[original.gguf_type] = original.bytes_per_weight
+                    itemsize = itemsizes[fmt]
                     dcost = decode_cost(weights, itemsize)
                     if skips and sp_short:
                         ideal = (dcost.speedup_bound(sp_short) if phase == "decode"
                                  else flops_cost(weights, (L + 1) / 2).speedup_bound(sp_short))  # fmt: skip
                     wb = sum(weight_bytes(weights, itemsize).values())
                     wb_step = wb / (dcost.speedup_bound(sp_short) if sp_short else 1.0)
+                    if original is not None and kind == "llama.cpp":
+                        wb_step = float(original.matrix_bytes)  # its own file's matrices, every layer
                     counted = bytes_read.get(key)
                     if phase == "decode" and counted:
                         # what the backend counted it read: for a batch the union of the rows'

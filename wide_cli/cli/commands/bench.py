@@ -86,7 +86,7 @@ def bench_cmd(
     dtype: Annotated[str | None, typer.Option("--dtype", help="fp32 | bf16 (default fp32; shorthand for --weights).")] = None,
     weights: Annotated[str | None, typer.Option("--weights", help="Runtime weight formats, e.g. fp32,bf16,int8,int4 (default fp32).")] = None,
     threads: Annotated[str | None, typer.Option("--threads", help="CPU threads for every system, e.g. 1,2 (each measured in turn; default 1, reproducible on shared CPUs; 0 = torch's default).")] = None,
-    llama_cpp_types: Annotated[str | None, typer.Option("--llama-cpp-types", help="GGUF types of the llama.cpp rows: F16, Q8_0, Q4_0 (default F16,Q8_0,Q4_0).")] = None,
+    llama_cpp_types: Annotated[str | None, typer.Option("--llama-cpp-types", help="GGUF types of the llama.cpp rows: F16, Q8_0, Q4_0 (default F16,Q8_0,Q4_0; a gemma3-270m export runs its original Q4_K_M GGUF instead).")] = None,
     ppl_tokens: Annotated[int | None, typer.Option("--ppl-tokens", help="Also score this many WikiText-2 test tokens per runtime format (needs --data-dir).")] = None,
     ppl_seq_len: Annotated[int | None, typer.Option("--ppl-seq-len", help="Perplexity window (default 512).")] = None,
     data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Folder holding wikitext-2-raw/ (for --ppl-tokens).")] = None,
