@@ -605,6 +605,21 @@ def test_routed_rows_take_any_mask_layout_and_refuse_bad_shapes():
         cpu_rows.routed_ffn(gu, down, x, mask.t(), torch.zeros(4, dtype=torch.int32))
 
 
+def _rows_against_reference(model, fmt, p_skip, random_masks, steps: int = 6) -> None:
+    """The native step against the reference backend on ``model``: one row (12-token prompt, then
+    ``steps`` greedy steps), then a batch of two rows with different prompts and masks."""
+    ref, nat = _against_reference(model, fmt, _prompt(12), steps,
+                                  random_masks(model, 1, 12 + steps + 1, p_skip, seed=3))
+    ids2 = torch.cat([_prompt(12, seed=7), _prompt(12, seed=8)])
+    ref.forced = nat.forced = random_masks(model, 2, 12 + steps + 1, p_skip, seed=4)
+    caches = [rt.new_cache(2, 32) for rt in (ref, nat)]
+    lg = [rt.step(ids2, None, c) for rt, c in zip((ref, nat), caches)]
+    for _ in range(steps):
+        t = lg[0].argmax(-1, keepdim=True)
+        lg = [rt.step(t, None, c) for rt, c in zip((ref, nat), caches)]
+        torch.testing.assert_close(lg[1], lg[0], atol=_atol(fmt, lg[0]), rtol=0)
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("p_skip", [0.5, 1.0])
 def test_native_step_runs_lowrank_standins_as_the_reference(fmt, p_skip, random_masks):
@@ -614,16 +629,7 @@ def test_native_step_runs_lowrank_standins_as_the_reference(fmt, p_skip, random_
     from tests._exports import feature_model
 
     model, _ = feature_model(standin="lowrank:4", seed=2)
-    steps = 6
-    ref, nat = _against_reference(model, fmt, _prompt(12), steps, random_masks(model, 1, 12 + steps + 1, p_skip, seed=3))
-    ids2 = torch.cat([_prompt(12, seed=7), _prompt(12, seed=8)])
-    ref.forced = nat.forced = random_masks(model, 2, 12 + steps + 1, p_skip, seed=4)
-    caches = [rt.new_cache(2, 32) for rt in (ref, nat)]
-    lg = [rt.step(ids2, None, c) for rt, c in zip((ref, nat), caches)]
-    for _ in range(steps):
-        t = lg[0].argmax(-1, keepdim=True)
-        lg = [rt.step(t, None, c) for rt, c in zip((ref, nat), caches)]
-        torch.testing.assert_close(lg[1], lg[0], atol=_atol(fmt, lg[0]), rtol=0)
+    _rows_against_reference(model, fmt, p_skip, random_masks)
 
 
 def test_native_step_counts_the_lowrank_maps_it_runs():
@@ -674,17 +680,7 @@ def test_native_step_runs_gemma3_as_the_reference(fmt, p_skip, random_masks):
     from tests._exports import feature_model
 
     model, _ = feature_model("gemma3", standin="lowrank:4", seed=2)
-    steps = 6
-    ref, nat = _against_reference(model, fmt, _prompt(12), steps,
-                                  random_masks(model, 1, 12 + steps + 1, p_skip, seed=3))
-    ids2 = torch.cat([_prompt(12, seed=7), _prompt(12, seed=8)])
-    ref.forced = nat.forced = random_masks(model, 2, 12 + steps + 1, p_skip, seed=4)
-    caches = [rt.new_cache(2, 32) for rt in (ref, nat)]
-    lg = [rt.step(ids2, None, c) for rt, c in zip((ref, nat), caches)]
-    for _ in range(steps):
-        t = lg[0].argmax(-1, keepdim=True)
-        lg = [rt.step(t, None, c) for rt, c in zip((ref, nat), caches)]
-        torch.testing.assert_close(lg[1], lg[0], atol=_atol(fmt, lg[0]), rtol=0)
+    _rows_against_reference(model, fmt, p_skip, random_masks)
 
 
 def test_native_step_skips_a_gemma3_block_that_executes_no_group():
