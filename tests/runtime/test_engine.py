@@ -473,3 +473,24 @@ def test_qkv_bias_fills_a_missing_bias_with_zeros():
     assert lw.qkv_bias() is None
     lw.bq, lw.bv = torch.ones(2 * d), torch.full((d,), 2.0)
     assert torch.equal(lw.qkv_bias(), torch.cat([torch.ones(2 * d), torch.zeros(d), torch.full((d,), 2.0)]))
+
+
+def test_static_depth_export_runs_each_module_as_one_group(tmp_path):
+    """A static-depth export routes nothing, whatever group sizes its recorded settings carry
+    (the recipe's, e.g. 1 head and 1 channel): the runtime runs each module as one group, as it
+    runs the dense model, not as H head groups and F one-channel groups."""
+    from tests._exports import feature_model
+    from wide_cli.export import export_model
+    from wide_cli.models.tiny import char_tokenizer
+
+    model, wc = feature_model("llama", method="dense", ags=1, fgs=1)
+    wc = {**wc, "method": "static-depth",
+          "static_depth": {"removed": [2], "kept": [0, 1], "num_layers": 3, "cost_target": 0.75,
+                           "cost_metric": "flops", "cost_fraction": 0.667, "calibration_tokens": 64}}
+    path = export_model(model, char_tokenizer(), tmp_path / "sd", wide_config=wc).path
+    rt = Runtime.from_export(path, backend="reference")
+    assert [(m.attn_groups, m.ffn_groups) for m in rt.meta] == [(1, 1), (1, 1)]
+    assert [(m.attn_group_size, m.ffn_group_size) for m in rt.meta] == [(4, 128), (4, 128)]
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(rt.forward(ids), Runtime.from_model(model, backend="reference").forward(ids),
+                               atol=1e-5, rtol=0)

@@ -43,12 +43,16 @@ class RoutingInfo:
             return cls()
         info = wc if isinstance(wc, ExportInfo) else ExportInfo(wc)
         routing, layout = info.routing, info.layout
+        attn, ffn = "attention" in info.routed_modules, "ffn" in info.routed_modules
+        # a module that routes nothing (a static-depth or dense export, whose recorded settings
+        # still carry the recipe's group sizes) runs as one group: as many groups as heads or
+        # channels would make every kernel loop over slivers of the weights
         return cls(
             method=info.routing_method,
-            route_attention="attention" in info.routed_modules,
-            route_ffn="ffn" in info.routed_modules,
-            attn_group_size=layout.get("attn_group_size") or routing.get("attn_group_size"),
-            ffn_group_size=layout.get("ffn_group_size") or routing.get("ffn_group_size"),
+            route_attention=attn,
+            route_ffn=ffn,
+            attn_group_size=(layout.get("attn_group_size") or routing.get("attn_group_size")) if attn else None,
+            ffn_group_size=(layout.get("ffn_group_size") or routing.get("ffn_group_size")) if ffn else None,
         )
 
 
