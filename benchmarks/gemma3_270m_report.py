@@ -115,15 +115,16 @@ if speed and all(quality[slug].get("wikitext") for slug, _, _ in ROWS):
         return wt, speed.get(target, {}).get("decode_speedup"), speed.get(target, {}).get("prefill_speedup")
 
     (d_wt, _, _), (w_wt, w_dec, w_pre), (s_wt, s_dec, s_pre) = (num(slug, t) for slug, _, t in ROWS)
-    lines += [("What this run shows: at batch-1 decode the routed model runs "
-              f"{w_dec:.2f}x dense against {s_dec:.2f}x for static depth (the tied head, read whole at every "
-              f"step, is most of a token's bytes, and removing 8 layers saves more of the rest than routing "
-              f"does); at a 1,024-token prefill {w_pre:.2f}x against {s_pre:.2f}x. Both lose most of the dense "
-              f"model's quality at this training budget: WikiText-2 {w_wt:.0f} (wide) and {s_wt:.0f} (static "
-              f"depth) against {d_wt:.0f} dense, while their perplexity on the recipe's own held-out text drops "
-              "below the dense model's: 120 steps on pydoc text fit that text and do not heal the removed "
-              "layers for general text. Their greedy continuations below are repetitive. Width routing does "
-              "not pay on this model at this budget."), ""]
+    ahead = "ahead of" if w_pre > s_pre else "behind"
+    lines += [(f"What this run shows: at batch-1 decode (fp32) the routed model runs {w_dec:.2f}x dense against "
+               f"{s_dec:.2f}x for static depth: the tied head, read whole at every step, is most of a token's "
+               "bytes, and removing 8 layers saves more of the rest than routing does. At a 1,024-token prefill "
+               f"it is {ahead} static depth, {w_pre:.2f}x against {s_pre:.2f}x. Both lose most of the dense "
+               f"model's quality at this training budget: WikiText-2 {w_wt:.0f} (wide) and {s_wt:.0f} (static "
+               f"depth) against {d_wt:.0f} dense, while their perplexity on the recipe's own held-out text drops "
+               "below the dense model's: 120 steps on pydoc text fit that text and do not heal the removed "
+               "layers for general text. Their greedy continuations below are repetitive. Width routing does "
+               "not pay on this model at this budget."), ""]
 
 slow = [label.split(":")[0] for slug, label, target in ROWS[1:]
         if speed_bf16.get(target, {}).get("decode_speedup", 1.0) < 1.0]
