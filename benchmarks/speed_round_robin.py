@@ -1,15 +1,16 @@
 """Measure the speed of a list of targets with `wide compare`'s protocol
 (`wide_cli.eval.compare.measure_speed`: decode batch 1 and prefill, round-robin, median of rounds),
 the dense model first, and write one row per target with its speedups against that dense model.
-TARGETS.json is {"rows": [{"name": MODEL_OR_EXPORT, "label", "method", "cost_target", ...}, ...]}
-(a `wide compare` report works too; its quality columns are carried over). Usage:
+TARGETS.json is {"rows": [{"name": MODEL_OR_EXPORT, "label", "weights", "method", "cost_target", ...},
+...]} ("weights": the runtime weight format of that row, fp32 / bf16 / int8 / int4; absent = --dtype;
+a `wide compare` report works too; its quality columns are carried over). Usage:
 python benchmarks/speed_round_robin.py TARGETS.json OUT.json [--dtype fp32|bf16] [--repeats 3]
 (run from the directory the targets are relative to)."""
 
 import argparse
 import json
 
-from wide_cli.eval.compare import SpeedConfig, measure_speed
+from wide_cli.eval.compare import SpeedConfig, measure_speed, speed_key
 
 ap = argparse.ArgumentParser()
 ap.add_argument("report")
@@ -19,13 +20,14 @@ ap.add_argument("--repeats", type=int, default=3)
 args = ap.parse_args()
 rep = json.load(open(args.report))
 targets = [r["name"] for r in rep["rows"]]
+formats = [r.get("weights") for r in rep["rows"]]
 cfg = SpeedConfig(repeats=args.repeats, dtype=args.dtype)
-speed = measure_speed(targets, cfg, log=print)
-dense = speed[targets[0]]
+speed = measure_speed(targets, cfg, weight_formats=formats, log=print)
+dense = speed[speed_key(targets[0], formats[0])]
 rows = []
 for r in rep["rows"]:
-    s = speed[r["name"]]
-    rows.append({k: r.get(k) for k in ("name", "label", "method", "cost_target", "wikitext_ppl", "task_avg", "flops",
+    s = speed[speed_key(r["name"], r.get("weights"))]
+    rows.append({k: r.get(k) for k in ("name", "label", "weights", "method", "cost_target", "wikitext_ppl", "task_avg", "flops",
                                         "decode_speedup_bound")}
                 | {"decode_speedup": s["decode_tokens_per_s"] / dense["decode_tokens_per_s"],
                    "prefill_speedup": s["prefill_tokens_per_s"] / dense["prefill_tokens_per_s"],

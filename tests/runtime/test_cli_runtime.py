@@ -211,3 +211,18 @@ def test_compare_times_routed_exports_routed_and_dense_models_dense(tiny_export)
                        SpeedConfig(new_tokens=2, decode_prompt_len=4, prefill_len=8, repeats=1, warmup=0))
     assert sp["tiny-llama"]["sparsity"] is None and sp[str(tiny_export)]["sparsity"]["total"] > 0
     assert len(sp[str(tiny_export)]["decode_seconds"]) == 1 and sp["tiny-llama"]["prefill_tokens_per_s"] > 0
+
+
+def test_speed_runs_one_target_in_several_weight_formats(tiny_export):
+    from wide_cli.errors import ConfigError
+    from wide_cli.eval.compare import SpeedConfig, measure_speed, speed_key
+
+    cfg = SpeedConfig(new_tokens=2, decode_prompt_len=4, prefill_len=8, repeats=1, warmup=0)
+    sp = measure_speed(["tiny-llama", "tiny-llama", str(tiny_export)], cfg, weight_formats=[None, "int8", "int4"])
+    assert list(sp) == ["tiny-llama", "tiny-llama (int8)", f"{tiny_export} (int4)"]
+    assert [v["weight_format"] for v in sp.values()] == ["fp32", "int8", "int4"]
+    assert sp[speed_key(str(tiny_export), "int4")]["sparsity"]["total"] > 0
+    with pytest.raises(ConfigError, match="listed twice"):
+        measure_speed(["tiny-llama", "tiny-llama"], cfg)
+    with pytest.raises(ConfigError, match="2 weight formats for 1 targets"):
+        measure_speed(["tiny-llama"], cfg, weight_formats=["int8", "int4"])

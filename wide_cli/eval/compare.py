@@ -63,11 +63,24 @@ class SpeedConfig:
             raise ConfigError("warmup and threads must be >= 0")
 
 
-def measure_speed(targets: list[str], cfg: SpeedConfig, *, log=None) -> dict[str, dict]:
+def speed_key(target: str, weight_format: str | None = None) -> str:
+    """The key of one system in ``measure_speed``'s result: the target, and its weight format in
+    parentheses when one is set (``"gemma3-270m (int8)"``), so one target runs in several formats."""
+    return target if weight_format is None else f"{target} ({weight_format})"
+
+
+def measure_speed(targets: list[str], cfg: SpeedConfig, *, weight_formats: list[str | None] | None = None,
+                  log=None) -> dict[str, dict]:
     """Decode (batch 1) and prefill tokens/s of every target's runtime, round-robin, median of
-    ``cfg.repeats`` rounds. Returns ``{target: {decode_tokens_per_s, prefill_tokens_per_s,
-    decode_seconds, prefill_seconds, sparsity}}`` (``sparsity``: measured in the decode rounds,
-    None when the runtime routes nothing)."""
+    ``cfg.repeats`` rounds. ``weight_formats``: one runtime weight format per target (``fp32``,
+    ``bf16``, ``int8``, ``int4``; None = ``cfg.dtype``; a model's int4 uses the plain scale rule).
+    Returns ``{speed_key(target, format): {decode_tokens_per_s, prefill_tokens_per_s,
+    decode_seconds, prefill_seconds, sparsity, weight_format}}`` (``sparsity``: measured in the
+    decode rounds, None when the runtime routes nothing; ``weight_format``: the format the runtime
+    ran).
+
+    Raises:
+        ConfigError: ``weight_formats`` not one per target, or the same system twice."""
     from wide_cli.bench.systems import RuntimeSystem
     from wide_cli.bench.workload import prompt_batch, text_token_stream
     from wide_cli.runtime.engine import Runtime
@@ -75,15 +88,22 @@ def measure_speed(targets: list[str], cfg: SpeedConfig, *, log=None) -> dict[str
     log = log or (lambda msg: None)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
+    formats = list(weight_formats) if weight_formats is not None else [None] * len(targets)
+    if len(formats) != len(targets):
+        raise ConfigError(f"{len(formats)} weight formats for {len(targets)} targets", "give one per target")
+    keys = [speed_key(t, f) for t, f in zip(targets, formats)]
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"a system is listed twice: {keys}", "list each target and weight format once")
     systems = {}
-    for t in targets:
-        log(f"speed: loading {t} on the {cfg.backend} backend")
-        rt = Runtime.from_target(t, backend=cfg.backend, dtype=cfg.dtype)
+    for t, f, key in zip(targets, formats, keys):
+        log(f"speed: loading {key} on the {cfg.backend} backend")
+        rt = Runtime.from_target(t, backend=cfg.backend, dtype=None if f else cfg.dtype, weight_format=f)
         routed = bool(rt.routing) and _has_routers(rt)
-        systems[t] = RuntimeSystem(rt, routed, None, cfg.seed)
+        systems[key] = RuntimeSystem(rt, routed, None, cfg.seed)
     tok = next(iter(systems.values())).rt.tokenizer
     stream = text_token_stream(tok, max(cfg.prefill_len, cfg.decode_prompt_len) * 4)
-    out = {t: {"decode_seconds": [], "prefill_seconds": [], "sparsity": None} for t in targets}
+    out = {k: {"decode_seconds": [], "prefill_seconds": [], "sparsity": None,
+               "weight_format": systems[k].rt.weight_format} for k in keys}
     shapes = (("decode", prompt_batch(stream, 1, cfg.decode_prompt_len, cfg.seed + 1)),
               ("prefill", prompt_batch(stream, 1, cfg.prefill_len, cfg.seed + 2)))
     for phase, ids in shapes:
@@ -99,8 +119,7 @@ def measure_speed(targets: list[str], cfg: SpeedConfig, *, log=None) -> dict[str
                     out[t]["sparsity"] = {k: sp.get(k) for k in ("attention", "ffn", "total")}
             log(f"speed: {phase} round {r + 1}/{cfg.warmup + cfg.repeats}"
                 + (" (warm-up)" if r < cfg.warmup else ""))
-    for t in targets:
-        o = out[t]
+    for o in out.values():
         o["decode_tokens_per_s"] = cfg.new_tokens / statistics.median(o["decode_seconds"])
         o["prefill_tokens_per_s"] = cfg.prefill_len / statistics.median(o["prefill_seconds"])
     return out
