@@ -69,7 +69,7 @@
 #define WIDE_I4_SIMD 1 /* the int4 x int8 kernel (32-byte vectors; vpdpbusd where AVX512-VNNI/VL is) */
 #endif
 
-#define WIDE_DECODE_ABI 12
+#define WIDE_DECODE_ABI 13
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_I4 = 3 };
 /* The step's counters (cnt[]): executed weight, attention and router multiply-adds, weight bytes
@@ -1928,6 +1928,9 @@ int64_t wide_gemm(WCtx *c, int64_t fmt, int64_t ofmt, int64_t layout, const void
     free(wide);
     return j.err ? -1 : 0;
 }
+
+/* Routed prefill on AMX tiles (wide_amx_ready, wide_amx_proj, wide_amx_ffn). */
+#include "cpu_prefill_amx.c"
 
 /* Which vector code wide_gemm runs here: 2 AVX-512, 1 AVX2 + FMA, 0 the portable C twin. */
 int64_t wide_gemm_simd(void) {

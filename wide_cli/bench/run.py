@@ -108,7 +108,7 @@ def run_bench(path, cfg: BenchConfig, *, log=None) -> BenchReport:
                 res["seconds"] = time.perf_counter() - t
                 res["mode"] = mode
                 if mode == "prefill":
-                    res["path"] = prefill_path(rt.dtype)
+                    res["path"] = prefill_path(rt.dtype, routed=True)
                 else:
                     res["path"] = "torch" if rt._native in (None, False) else "native"
                 key = f"routed {fmt}" + ("" if mode == "prefill" else " decode")

@@ -87,7 +87,7 @@ class RuntimeSystem:
         self.rt.step(ids, None, cache)
         t = time.perf_counter() - t
         self._counted()
-        self.path = prefill_path(self.rt.dtype) if getattr(self.rt.backend, "name", None) == "cpu" else "torch"
+        self.path = prefill_path(self.rt.dtype, self.routed) if getattr(self.rt.backend, "name", None) == "cpu" else "torch"
         return t
 
     def decode(self, ids: torch.Tensor, steps: int) -> float:
@@ -105,7 +105,7 @@ class RuntimeSystem:
         if self.rt.native_decode and self.rt._native_for(cache) is not None:
             self.path = "native"  # the native decode step
         else:  # the PyTorch step, its projections on the native GEMM where that is chosen
-            self.path = prefill_path(self.rt.dtype) if getattr(self.rt.backend, "name", None) == "cpu" else "torch"
+            self.path = prefill_path(self.rt.dtype, self.routed) if getattr(self.rt.backend, "name", None) == "cpu" else "torch"
         return t
 
 

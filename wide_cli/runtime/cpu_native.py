@@ -40,7 +40,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "cpu_decode.c"
-ABI = 12
+# Sources the main one includes (one translation unit): part of the build key.
+INCLUDED_SOURCES = ("cpu_prefill_amx.c",)
+ABI = 13
 #: Rows of one native step (the C WIDE_MAX_BATCH: a group's rows are one 64-bit set).
 MAX_BATCH = 64
 FMT_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -135,8 +137,9 @@ def build(force: bool = False, *, portable: bool = False) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"{cc} --version failed: {e}") from e
     flags = PORTABLE_FLAGS if portable else COMPILE_FLAGS
+    texts = [src.read_text()] + [(src.parent / name).read_text() for name in INCLUDED_SOURCES]
     key = hashlib.sha256(
-        b"\0".join(x.encode() for x in (src.read_text(), cc, version, " ".join(flags), cpu_flags()))
+        b"\0".join(x.encode() for x in (*texts, cc, version, " ".join(flags), cpu_flags()))
     ).hexdigest()[:16]
     out = _cache_root() / key / "libwide_cpu_decode.so"
     if out.is_file() and not force:
@@ -205,6 +208,12 @@ def load(path: Path) -> ctypes.CDLL:
     lib.wide_ctx_new.restype = _P
     lib.wide_ctx_free.argtypes = [_P]
     lib.wide_gemm_simd.restype = _I64
+    lib.wide_amx_ready.restype = _I64
+    lib.wide_amx_proj.restype = _I64
+    lib.wide_amx_proj.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _I64, _I64, _P,
+                                  _I64]  # fmt: skip
+    lib.wide_amx_ffn.restype = _I64
+    lib.wide_amx_ffn.argtypes = [_P, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64]
     return lib
 
 

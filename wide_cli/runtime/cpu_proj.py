@@ -11,7 +11,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from wide_cli.runtime import cpu_native, ops
+from wide_cli.runtime import cpu_amx, cpu_native, ops
 from wide_cli.runtime.backend import Counter
 from wide_cli.runtime.cpu_plan import SMALL_M, mask_state, skip_plan
 
@@ -42,9 +42,12 @@ def _native_dtypes() -> frozenset:
     return _native_gemm_dtypes()
 
 
-def prefill_path(dtype: torch.dtype) -> str:
-    """Which code runs the cpu backend's prefill projections in compute dtype ``dtype``:
-    ``native`` (``cpu_native.gemm``) or ``torch``."""
+def prefill_path(dtype: torch.dtype, routed: bool = False) -> str:
+    """Which code runs the cpu backend's prefill projections in compute dtype ``dtype`` (of a
+    routed model when ``routed``): ``native`` (``cpu_native.gemm``, or the AMX tile kernels of
+    ``cpu_amx`` for the routed modules in bf16) or ``torch``."""
+    if routed and dtype == torch.bfloat16 and cpu_amx.ready():
+        return "native"
     return "native" if dtype in _native_dtypes() and cpu_native.gemm_library() is not None else "torch"
 
 
@@ -103,6 +106,7 @@ class Proj:
         self.g = g
         self.dtype = dtype
         self._v: dict = {}
+        self._amx = None  # the tile-packed copy (cpu_amx), made on first use; False: none
         if self.quantized:
             check_quant_width(self.K if axis == "n" else g, what, fmt)
             q, s = quantize(w, fmt)  # int8 [N, K] or int4 packed uint8 [N, K / 2]; [N, K / 32]
@@ -133,6 +137,28 @@ class Proj:
         scales for int8 / int4, not the PyTorch path's bf16 copy)."""
         ts = (self.q, self.s) if self.quantized else (self.w if self.axis == "n" else self.w_t,)
         return sum(t.numel() * t.element_size() for t in ts)
+
+    def amx(self) -> torch.Tensor | None:
+        """The bf16 weights packed for the AMX prefill kernels (``cpu_amx.pack_rows`` for axis
+        ``n``, ``cpu_amx.pack_groups`` for axis ``k``), packed on the first call of a process that
+        can run them (a bf16 copy beside the projection's weights: the PyTorch path and the decode
+        step keep reading those); None where they do not run: no AMX, fp32, or a width off the
+        tile multiples (16 rows, 32 reduction channels)."""
+        if self._amx is None:
+            self._amx = False
+            if self.dtype == torch.bfloat16 and cpu_amx.ready():
+                try:
+                    self._amx = cpu_amx.pack_rows(self.w) if self.axis == "n" else cpu_amx.pack_groups(self.w_t, self.g)
+                except ValueError:
+                    pass
+        return self._amx if self._amx is not False else None
+
+    def count_routed(self, mask: torch.Tensor, group_elems: int) -> None:
+        """Count a routed call of the AMX kernels: the multiply-adds of the executed pairs of
+        ``mask [M, G]`` (``group_elems`` weights per group) and the bytes of the groups some token
+        executes (in the compute dtype, as the PyTorch path counts its slices)."""
+        self.counter.macs += int(mask.sum()) * group_elems
+        self.counter.weight_bytes += int(mask.any(0).sum()) * group_elems * self.dtype.itemsize
 
     def rows(self, x: torch.Tensor, r0: int, r1: int, idx: torch.Tensor | None = None) -> torch.Tensor:
         """``x [M, K] -> [M, r1 - r0]``: output rows ``[r0, r1)`` (axis ``n``); with ``idx``
@@ -173,6 +199,12 @@ class Proj:
             out.index_add_(0, idx, a @ w)
 
 
+def _amx_routed(p: Proj, a: torch.Tensor) -> bool:
+    """Whether a routed prefill call on ``p`` runs on the AMX kernels (``cpu_amx``): bf16
+    activations, no byte tracing (the kernels do not report spans), and a packed copy of ``p``."""
+    return a.dtype == torch.bfloat16 and p.counter.trace is None and p.amx() is not None
+
+
 def gemm_mn_proj(a: torch.Tensor, p: Proj, mask, group_size: int, bias=None, plan=None) -> torch.Tensor:
     """``ops.gemm_mn`` on the first ``G * group_size`` rows of an axis-``n`` projection."""
     state, runs, uniform = plan or skip_plan(mask)
@@ -184,6 +216,10 @@ def gemm_mn_proj(a: torch.Tensor, p: Proj, mask, group_size: int, bias=None, pla
         return out if bias is None else out.add_(bias)
     out = torch.zeros(M, N, dtype=a.dtype, device=a.device)
     if state == "none":
+        return out
+    amx = M > SMALL_M and _amx_routed(p, a) and g % cpu_amx.TILE_N == 0
+    if amx and cpu_amx.rows(p.amx()[: N // cpu_amx.TILE_N], a, out, mask, g, bias):
+        p.count_routed(mask, g * p.K)
         return out
     if runs == [(0, N // g)]:  # union is everything, or a dense enough prefill: dense GEMM, then mask
         out = p.rows(a, 0, N)
@@ -221,6 +257,11 @@ def gemm_k_proj(a: torch.Tensor, p: Proj, mask, bias=None, plan=None) -> torch.T
         out.add_(bias)
     if state == "none":
         return out.to(a.dtype)
+    if state == "sparse" and M > SMALL_M and _amx_routed(p, a):
+        out = out if out.dtype == torch.float32 else out.float()
+        if cpu_amx.acc(p.amx(), a, out, mask):
+            p.count_routed(mask, g * p.N)
+            return out.to(a.dtype)
     if state == "dense":
         p.acc(out, a, 0, G)
     elif M <= SMALL_M or runs == [(0, G)]:
@@ -265,6 +306,14 @@ def ffn_proj(x: torch.Tensor, gu: Proj, down: Proj, mask, plan=None, act: str = 
     G = down.K // g
     M = x.shape[0]
     state, runs, uniform = plan or skip_plan(mask)
+    if state == "sparse" and M > SMALL_M and _amx_routed(gu, x) and _amx_routed(down, x):
+        y = torch.empty(M, down.N, dtype=torch.float32)
+        macs = cpu_amx.ffn(gu.amx(), down.amx(), x, y, mask, act)
+        if macs is not None:
+            live = int(mask.any(0).sum())
+            gu.counter.macs += macs
+            gu.counter.weight_bytes += live * 3 * g * down.N * x.dtype.itemsize
+            return y.to(x.dtype)
     out = torch.zeros(M, down.N, dtype=down.acc_dtype, device=x.device)
     if state == "none":
         return out.to(x.dtype)

@@ -1,0 +1,423 @@
+/* Routed prefill on Intel AMX tiles (bf16 x bf16 -> fp32): part of the native library, included by
+ * cpu_decode.c (one translation unit: it runs on the same thread pool, WCtx, and split()).
+ *
+ * Why: on CPUs with AMX (Sapphire Rapids and later), PyTorch's oneDNN runs a dense bf16 GEMM at
+ * about 490 G multiply-adds/s on one core (SmolLM2-135M FFN, 1,024 tokens), and the cpu backend's
+ * routed path, one PyTorch GEMM per group plus gathers, scatters and SwiGLU ops between them, ran
+ * slower than dense at half the groups skipped (0.61x). Here a routed module is one call: per group,
+ * the tokens that execute it are gathered 32 at a time into a tile-shaped buffer, multiplied on the
+ * tiles with the group's weights (packed once at load), and their outputs written or
+ * scatter-added; the FFN keeps a block's intermediate activations in L1 between its gate/up and
+ * down products. Cost follows the executed (token, group) pairs, up to 31 padding rows per group.
+ *
+ * Tile use: every tile is 16 rows x 64 bytes. Tiles 0-3 accumulate a 32 x 32 fp32 output block
+ * (2 x 2 tiles of 16 x 16), tiles 4-5 hold 32 token rows of 32 reduction channels (bf16), tiles 6-7
+ * two 16-column weight blocks of the same 32 channels in the VNNI pair layout TDPBF16PS reads.
+ *
+ * Packed weights (runtime/cpu_amx.py packs them): for a product y[n] = sum_k x[k] W[n][k],
+ * P[nb][kb][kp][c][p] = W[16 nb + c][32 kb + 2 kp + p] (nb < N / 16, kb < K / 32, kp, c < 16,
+ * p < 2): one 1 KiB tile per (nb, kb), the tiles of one output block contiguous over kb. Axis-k
+ * projections (O, down) are packed per reduction group: group j's [N, gsz] slice is its own P.
+ *
+ * Requires the kernel's permission to use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, asked for
+ * once by wide_amx_ready) and the CPU flags AMX-TILE, AMX-BF16, AVX512-BF16. The functions carry
+ * their target ISA as attributes, so the library builds on any x86-64 compiler with AVX-512
+ * (gcc >= 11, clang >= 12); elsewhere wide_amx_ready returns 0 and the runtime keeps its other paths.
+ */
+
+#if defined(WIDE_AVX512) && defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 11)
+#define WIDE_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#define AMX_ROWS 32 /* token rows of one block (two A tiles) */
+#ifndef AMX_CHUNK
+#define AMX_CHUNK 100000
+#endif
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+AMX_TARGET static void amx_configure(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* exp(x) for fp32 lanes: Cephes' polynomial after the reduction x = n ln 2 + r (relative error
+ * about 2e-7 on [-87, 88]; inputs outside are clamped). */
+AMX_TARGET static inline __m512 amx_exp(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365478515625f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* 1 / d for d >= 1 (one Newton step after the 14-bit estimate: about 2e-8 relative). */
+AMX_TARGET static inline __m512 amx_recip(__m512 d) {
+    __m512 r = _mm512_rcp14_ps(d);
+    return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+}
+
+/* The FFN's gating act(gate) * up: silu(g) = g / (1 + e^-g); GELU, tanh approximation, written as
+ * g * sigmoid(2u) with u = sqrt(2 / pi) (g + 0.044715 g^3) (= 0.5 g (1 + tanh u)). */
+AMX_TARGET static inline __m512 amx_gate(__m512 g, __m512 up, int64_t gelu) {
+    __m512 z = g;
+    if (gelu) {
+        __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+        z = _mm512_mul_ps(_mm512_set1_ps(2.f * 0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
+    }
+    __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), amx_exp(_mm512_sub_ps(_mm512_setzero_ps(), z)));
+    return _mm512_mul_ps(_mm512_mul_ps(g, amx_recip(den)), up);
+}
+
+/* C[32][32] (fp32, row stride 32) = A[32][K] . B-block, where A rows are `lda` elements apart and
+ * P0 / P1 are the packed tiles (kb = 0..K/32-1, 1 KiB each) of two 16-column output blocks; with
+ * P1 NULL only the first 16 columns are computed (C's other half is left as is). */
+AMX_TARGET static void amx_block(const uint16_t *A, int64_t lda, const uint16_t *P0, const uint16_t *P1, int64_t KB,
+                                 float *C) {
+    _tile_zero(0);
+    _tile_zero(2);
+    if (P1) {
+        _tile_zero(1);
+        _tile_zero(3);
+    }
+    const int64_t sa = lda * 2;
+    for (int64_t kb = 0; kb < KB; kb++) {
+        _tile_loadd(4, A + kb * 32, sa);
+        _tile_loadd(5, A + 16 * lda + kb * 32, sa);
+        _tile_loadd(6, P0 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        if (P1) {
+            _tile_loadd(7, P1 + kb * 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, C, 128);
+    _tile_stored(2, C + 16 * 32, 128);
+    if (P1) {
+        _tile_stored(1, C + 16, 128);
+        _tile_stored(3, C + 16 * 32 + 16, 128);
+    }
+}
+
+/* Per-part scratch of the AMX jobs. */
+typedef struct {
+    uint16_t *a; /* [AMX_ROWS][K] gathered token rows, bf16 */
+    uint16_t *h; /* [AMX_ROWS][g] the FFN's gated activations, bf16 */
+    int64_t *rows;
+} AmxScratch;
+
+static int amx_scratch(AmxScratch *s, int64_t K, int64_t g, int64_t M) {
+    s->a = (uint16_t *)aligned_alloc(64, (size_t)((AMX_ROWS * K * 2 + 63) / 64 * 64));
+    s->h = (uint16_t *)aligned_alloc(64, (size_t)((AMX_ROWS * (g > 0 ? g : 1) * 2 + 63) / 64 * 64));
+    s->rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(M > 0 ? M : 1));
+    return s->a && s->h && s->rows;
+}
+
+static void amx_scratch_free(AmxScratch *s) {
+    free(s->a);
+    free(s->h);
+    free(s->rows);
+}
+
+/* Gather n <= AMX_ROWS rows (row indices rows[0..n-1]) of width K into dst. The rows past n keep
+ * what they held: a product's output row depends on its own input row only, and the outputs of
+ * padding rows are never written out. */
+static void amx_gather(const uint16_t *X, int64_t ldx, const int64_t *rows, int64_t n, int64_t K, uint16_t *dst) {
+    for (int64_t r = 0; r < n; r++) memcpy(dst + r * K, X + rows[r] * ldx, (size_t)K * 2);
+}
+
+/* The tokens of [lo, hi) that execute group j (all when mask is NULL), into rows; returns the count. */
+static int64_t amx_tokens(const uint8_t *mask, int64_t mstride, int64_t j, int64_t lo, int64_t hi, int64_t *rows) {
+    int64_t n = 0;
+    for (int64_t t = lo; t < hi; t++)
+        if (!mask || mask[t * mstride + j]) rows[n++] = t;
+    return n;
+}
+
+typedef struct {
+    int64_t mode, N, K, G, gsz, M, mstride, ldx, ldo, ofmt, gelu, D;
+    const uint16_t *P, *P2; /* proj: P; ffn: gate/up, down */
+    const uint16_t *X;
+    const uint8_t *mask;
+    const float *bias;
+    void *out;
+    int64_t *macs; /* the FFN: multiply-adds executed, added atomically by every part */
+    int err;
+} AmxJob;
+
+/* Write (mode 0) or scatter-add (mode 1, and the FFN's down product) a 32 x 32 fp32 block C of
+ * which `n` token rows are real into out rows rows[0..n-1], columns [c0, c0 + w). */
+AMX_TARGET static void amx_emit(const AmxJob *j, const float *C, const int64_t *rows, int64_t n, int64_t c0,
+                                int64_t w, int64_t add) {
+    const __mmask16 m0 = w >= 16 ? 0xffff : (__mmask16)((1u << w) - 1);
+    const __mmask16 m1 = w >= 32 ? 0xffff : w > 16 ? (__mmask16)((1u << (w - 16)) - 1) : 0;
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (j->bias) {
+        b0 = _mm512_maskz_loadu_ps(m0, j->bias + c0);
+        if (m1) b1 = _mm512_maskz_loadu_ps(m1, j->bias + c0 + 16);
+    }
+    for (int64_t r = 0; r < n; r++) {
+        __m512 v0 = _mm512_add_ps(_mm512_load_ps(C + r * 32), b0), v1 = _mm512_add_ps(_mm512_load_ps(C + r * 32 + 16), b1);
+        if (j->ofmt == FMT_F32) {
+            float *o = (float *)j->out + rows[r] * j->ldo + c0;
+            if (add) {
+                v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(m0, o));
+                if (m1) v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m1, o + 16));
+            }
+            _mm512_mask_storeu_ps(o, m0, v0);
+            if (m1) _mm512_mask_storeu_ps(o + 16, m1, v1);
+        } else {
+            uint16_t *o = (uint16_t *)j->out + rows[r] * j->ldo + c0;
+            _mm256_mask_storeu_epi16(o, m0, (__m256i)_mm512_cvtneps_pbh(v0));
+            if (m1) _mm256_mask_storeu_epi16(o + 16, m1, (__m256i)_mm512_cvtneps_pbh(v1));
+        }
+    }
+}
+
+/* One routed projection over this part's tokens (see wide_amx_proj). */
+AMX_TARGET static void amx_proj_job(void *arg, int64_t part, int64_t parts) {
+    AmxJob *j = (AmxJob *)arg;
+    int64_t lo, hi;
+    split(j->M, part, parts, 1, &lo, &hi);
+    if (lo >= hi) return;
+    const int64_t kg = j->mode == 0 ? j->K : j->gsz; /* reduction width of one group's product */
+    AmxScratch s;
+    if (!amx_scratch(&s, kg, 0, hi - lo)) {
+        amx_scratch_free(&s);
+        j->err = 1;
+        return;
+    }
+    float C[32 * 32] __attribute__((aligned(64)));
+    amx_configure();
+    const int64_t KB = kg / 32;
+    for (int64_t g = 0; g < j->G; g++) {
+        const int64_t n = amx_tokens(j->mask, j->mstride, g, lo, hi, s.rows);
+        /* mode 0: the group's output rows [g gsz, (g + 1) gsz) of P; mode 1: its own P of N rows */
+        const int64_t ncols = j->mode == 0 ? j->gsz : j->N, c00 = j->mode == 0 ? g * j->gsz : 0;
+        const uint16_t *Pg = j->mode == 0 ? j->P + (g * j->gsz / 16) * KB * 512 : j->P + g * (j->N / 16) * KB * 512;
+        const int64_t a0 = j->mode == 0 ? 0 : g * j->gsz; /* the group's first activation column */
+        for (int64_t b = 0; b < n; b += AMX_ROWS) {
+            const int64_t nb = n - b < AMX_ROWS ? n - b : AMX_ROWS;
+            amx_gather(j->X + a0, j->ldx, s.rows + b, nb, kg, s.a);
+            for (int64_t c = 0; c < ncols; c += 32) {
+                const int64_t w = ncols - c < 32 ? ncols - c : 32;
+                const uint16_t *P0 = Pg + (c / 16) * KB * 512;
+                amx_block(s.a, kg, P0, w > 16 ? P0 + KB * 512 : NULL, KB, C);
+                amx_emit(j, C, s.rows + b, nb, c00 + c, w, j->mode == 1);
+            }
+        }
+    }
+    _tile_release();
+    amx_scratch_free(&s);
+}
+
+/* The down product of one 32-token block: C[32][32] (row stride ldc floats) = sum over the groups
+ * in live[0..nl-1] of H[:, grp g : (grp + 1) g] . down_grp, columns [c, c + 32) (c + 16 only
+ * with two = 0); H rows are ldh elements apart. */
+AMX_TARGET static void amx_down_block(const uint16_t *H, int64_t ldh, const uint16_t *Pd, int64_t D, int64_t g,
+                                      const int64_t *live, int64_t nl, int64_t c, int two, float *C, int64_t ldc) {
+    const int64_t HB = g / 32, sa = ldh * 2, per = (D / 16) * HB * 512;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t i = 0; i < nl; i++) {
+        const int64_t grp = live[i];
+        const uint16_t *A = H + grp * g, *P0 = Pd + grp * per + (c / 16) * HB * 512;
+        for (int64_t kb = 0; kb < HB; kb++) {
+            _tile_loadd(4, A + kb * 32, sa);
+            _tile_loadd(5, A + 16 * ldh + kb * 32, sa);
+            _tile_loadd(6, P0 + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) {
+                _tile_loadd(7, P0 + HB * 512 + kb * 512, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+    }
+    _tile_stored(0, C, ldc * 4);
+    _tile_stored(2, C + 16 * ldc, ldc * 4);
+    if (two) {
+        _tile_stored(1, C + 16, ldc * 4);
+        _tile_stored(3, C + 16 * ldc + 16, ldc * 4);
+    }
+}
+
+#define AMX_WIN 256 /* tokens whose gated activations [AMX_WIN][G g] bf16 sit in L2 between the products */
+
+/* The routed gated FFN over this part's tokens (see wide_amx_ffn), a window of AMX_WIN tokens at a
+ * time. Gate/up: per group, the window's tokens that execute it, gathered 32 at a time; their gated
+ * activations go to the window's rows of H (a token's skipped groups hold zeros). Down: per block
+ * of 32 consecutive tokens, one tile accumulation over the groups that any token of the block
+ * executes, stored straight into the output rows. The down product therefore multiplies the zeros
+ * of a block's skipped pairs in its live groups: a gathered down product reaches K = g per output
+ * tile (4 tile products per store at g = 128, and a scatter-add of every output row per group),
+ * and measured at a third of the tile rate, slower than the dense-over-live-groups form down to
+ * about a quarter of the pairs executed. */
+AMX_TARGET static void amx_ffn_job(void *arg, int64_t part, int64_t parts) {
+    AmxJob *j = (AmxJob *)arg;
+    int64_t lo, hi;
+    split(j->M, part, parts, 1, &lo, &hi);
+    if (lo >= hi) return;
+    const int64_t D = j->D, g = j->gsz, G = j->G, F = G * g, KB = D / 32;
+    AmxScratch s;
+    int ok = amx_scratch(&s, D, 0, AMX_WIN);
+    uint16_t *H = (uint16_t *)aligned_alloc(64, (size_t)AMX_WIN * F * 2);
+    uint8_t *live = (uint8_t *)malloc((size_t)(AMX_WIN / 32) * G);
+    int64_t *lg = (int64_t *)malloc(sizeof(int64_t) * (size_t)G);
+    if (!ok || !H || !live || !lg) {
+        amx_scratch_free(&s);
+        free(H), free(live), free(lg);
+        j->err = 1;
+        return;
+    }
+    float C[32 * 32] __attribute__((aligned(64)));
+    float *out = (float *)j->out;
+    int64_t macs = 0;
+    amx_configure();
+    for (int64_t w0 = lo; w0 < hi; w0 += AMX_WIN) {
+        const int64_t w1 = w0 + AMX_WIN < hi ? w0 + AMX_WIN : hi, nw = w1 - w0, nblk = (nw + 31) / 32;
+        memset(live, 0, (size_t)nblk * G);
+        for (int64_t grp = 0; grp < G; grp++) {
+            const int64_t n = amx_tokens(j->mask, j->mstride, grp, w0, w1, s.rows);
+            if (n == 0) continue;
+            const uint16_t *Pgu = j->P + grp * (2 * g / 16) * KB * 512; /* gate rows then up rows */
+            macs += n * 2 * g * D;
+            if (n < nw) { /* zeros for the skipped pairs of the blocks that run this group */
+                for (int64_t i = 0; i < n; i++) live[(s.rows[i] - w0) / 32 * G + grp] = 1;
+                for (int64_t t = w0, i = 0; t < w1; t++) {
+                    if (i < n && s.rows[i] == t) {
+                        i++;
+                        continue;
+                    }
+                    if (live[(t - w0) / 32 * G + grp]) memset(H + (t - w0) * F + grp * g, 0, (size_t)g * 2);
+                }
+            } else {
+                for (int64_t b = 0; b < nblk; b++) live[b * G + grp] = 1;
+            }
+            for (int64_t b = 0; b < n; b += AMX_ROWS) {
+                const int64_t nb = n - b < AMX_ROWS ? n - b : AMX_ROWS;
+                amx_gather(j->X, j->ldx, s.rows + b, nb, D, s.a);
+                for (int64_t c = 0; c < g; c += 16) { /* 16 channels: gate and up side by side in C */
+                    amx_block(s.a, D, Pgu + (c / 16) * KB * 512, Pgu + ((g + c) / 16) * KB * 512, KB, C);
+                    for (int64_t r = 0; r < nb; r++) {
+                        __m512 h = amx_gate(_mm512_load_ps(C + r * 32), _mm512_load_ps(C + r * 32 + 16), j->gelu);
+                        _mm256_storeu_si256((__m256i *)(H + (s.rows[b + r] - w0) * F + grp * g + c),
+                                            (__m256i)_mm512_cvtneps_pbh(h));
+                    }
+                }
+            }
+        }
+        for (int64_t b = 0; b < nblk; b++) {
+            int64_t nl = 0;
+            for (int64_t grp = 0; grp < G; grp++)
+                if (live[b * G + grp]) lg[nl++] = grp;
+            const int64_t r0 = w0 + b * 32, nr = w1 - r0 < 32 ? w1 - r0 : 32;
+            macs += nr * nl * g * D;
+            for (int64_t c = 0; c < D; c += 32) {
+                const int two = D - c > 16;
+                if (nr == 32) { /* a full block: the tiles go straight to the output rows */
+                    amx_down_block(H + b * 32 * F, F, j->P2, D, g, lg, nl, c, two, out + r0 * D + c, D);
+                } else {
+                    amx_down_block(H + b * 32 * F, F, j->P2, D, g, lg, nl, c, two, C, 32);
+                    for (int64_t r = 0; r < nr; r++) memcpy(out + (r0 + r) * D + c, C + r * 32, (size_t)(two ? 32 : 16) * 4);
+                }
+            }
+        }
+    }
+    _tile_release();
+    amx_scratch_free(&s);
+    free(H), free(live), free(lg);
+    __atomic_fetch_add(j->macs, macs, __ATOMIC_RELAXED);
+}
+
+/* 1 when this process can run the AMX kernels: the CPU has AMX-TILE, AMX-BF16 and AVX512-BF16 and
+ * the kernel granted the tile data permission (asked for here, once per process; idempotent). */
+int64_t wide_amx_ready(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return 0;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return 0; /* AVX512-BF16 */
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+#endif
+
+/* A routed projection of M tokens on packed weights P (the file comment's layout), bf16 in, out
+ * fp32 or bf16 (ofmt), on nthreads threads split by tokens.
+ * mode 0 (axis n: Q, gate/up, K/V, any dense rows): K = the reduction width (a multiple of 32);
+ *   G groups of gsz output rows (a multiple of 16), N = G gsz: out[t][g gsz + c] = X[t] . W[g gsz
+ *   + c] (+ bias) for every token t that executes group g (mask[t mstride + g] != 0; mask NULL:
+ *   every token); other entries of out are not written.
+ * mode 1 (axis k: O, down): G groups of gsz reduction channels (a multiple of 32), K = G gsz, N
+ *   output columns (a multiple of 16), P = G packed [N, gsz] slices: out[t][:N] += X[t][g gsz :
+ *   (g + 1) gsz] . W_g for every executing pair; out fp32; bias must be NULL.
+ * X [M][ldx] bf16, out [M][ldo]. Returns 0, or -1 for arguments it does not take (nothing written
+ * then): no AMX here, a shape off the tile multiples, an allocation failure. */
+int64_t wide_amx_proj(WCtx *c, int64_t mode, const uint16_t *P, int64_t N, int64_t K, int64_t G, int64_t gsz,
+                      const uint16_t *X, int64_t ldx, int64_t M, const uint8_t *mask, int64_t mstride, void *out,
+                      int64_t ldo, int64_t ofmt, const float *bias, int64_t nthreads) {
+#ifdef WIDE_AMX
+    if (M <= 0 || G <= 0 || gsz <= 0 || N != (mode == 0 ? G * gsz : N) || K <= 0) return -1;
+    if (mode == 0 && (K % 32 || gsz % 16)) return -1;
+    if (mode == 1 && (gsz % 32 || N % 16 || K != G * gsz || ofmt != FMT_F32 || bias)) return -1;
+    if ((mode != 0 && mode != 1) || (ofmt != FMT_F32 && ofmt != FMT_BF16)) return -1;
+    if (nthreads != c->pool.n) pool_resize(&c->pool, nthreads);
+    AmxJob j = {mode, N, K, G, gsz, M, mstride, ldx, ldo, ofmt, 0, 0, P, NULL, X, mask, bias, out, NULL, 0};
+    pool_run(&c->pool, amx_proj_job, &j);
+    return j.err ? -1 : 0;
+#else
+    (void)c, (void)mode, (void)P, (void)N, (void)K, (void)G, (void)gsz, (void)X, (void)ldx, (void)M, (void)mask;
+    (void)mstride, (void)out, (void)ldo, (void)ofmt, (void)bias, (void)nthreads;
+    return -1;
+#endif
+}
+
+/* The routed gated FFN of M tokens: out[t][:D] = sum over the groups g that token t executes of
+ * act(X[t] . gate_g) * (X[t] . up_g) . down_g (act silu, or GELU-tanh with gelu = 1), the gated
+ * activations rounded to bf16 between the products. Pgu: the grouped gate/up rows (per group g
+ * gate rows then g up rows, cpu_proj.grouped_gate_up) packed with K = D; Pd: the down projection
+ * packed per group (mode 1 of wide_amx_proj, N = D). D a multiple of 32, g a multiple of 32. X [M][ldx]
+ * bf16, out [M][D] fp32 contiguous, every row written (zeros for a token that executes no group).
+ * *macs += the multiply-adds executed: the gate/up products of the executed pairs, and the down
+ * products of every token row of a 32-token block for each group some token of the block executes
+ * (see amx_ffn_job). Returns 0, or -1 as wide_amx_proj. */
+int64_t wide_amx_ffn(WCtx *c, const uint16_t *Pgu, const uint16_t *Pd, int64_t D, int64_t G, int64_t g,
+                     const uint16_t *X, int64_t ldx, int64_t M, const uint8_t *mask, int64_t mstride, int64_t gelu,
+                     float *out, int64_t *macs, int64_t nthreads) {
+#ifdef WIDE_AMX
+    if (M <= 0 || G <= 0 || D <= 0 || g <= 0 || D % 32 || g % 32) return -1;
+    if (nthreads != c->pool.n) pool_resize(&c->pool, nthreads);
+    AmxJob j = {0, D, D, G, g, M, mstride, ldx, D, FMT_F32, gelu, D, Pgu, Pd, X, mask, NULL, out, macs, 0};
+    pool_run(&c->pool, amx_ffn_job, &j);
+    return j.err ? -1 : 0;
+#else
+    (void)c, (void)Pgu, (void)Pd, (void)D, (void)G, (void)g, (void)X, (void)ldx, (void)M, (void)mask, (void)mstride;
+    (void)gelu, (void)out, (void)macs, (void)nthreads;
+    return -1;
+#endif
+}
+
+#ifndef WIDE_AMX
+int64_t wide_amx_ready(void) { return 0; }
+#endif

@@ -1,0 +1,161 @@
+"""Routed prefill on Intel AMX tiles: the cpu backend's bf16 projections and FFN of calls of more
+than ``cpu_plan.SMALL_M`` tokens, where the CPU has AMX (``kernels/cpu_prefill_amx.c``).
+
+On such a CPU PyTorch's oneDNN runs a dense bf16 GEMM on the tiles, and the PyTorch routed path
+(one GEMM per group, with gathers, scatters and SwiGLU ops between them) ran slower than dense at
+half the groups skipped. Here one native call runs a routed module: per group it gathers the tokens
+that execute it and multiplies them on the tiles with the group's weights, packed once per
+projection on first use (``pack_rows`` / ``pack_groups``: a bf16 copy of the weights in the tile
+layout, the same bytes as the projection's bf16 weights). Activations are bf16 (the compute dtype
+of the bf16, int8 and int4 formats: int8 / int4 prefill multiplies the dequantized bf16 copy, as
+the PyTorch path does), products accumulate in fp32.
+
+``WIDE_CPU_AMX=0`` turns the path off (the PyTorch path then runs, as on CPUs without AMX).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from wide_cli.runtime import cpu_native
+
+TILE_K = 32  # reduction channels of one tile row (bf16)
+TILE_N = 16  # output columns of one tile
+
+
+@functools.cache
+def ready() -> bool:
+    """Whether the AMX kernels run in this process: the native library loaded, the CPU has
+    AMX-BF16 and the OS granted the tile state, and ``WIDE_CPU_AMX`` is not ``0``."""
+    if os.environ.get("WIDE_CPU_AMX", "1") == "0":
+        return False
+    lib = cpu_native.library()
+    return lib is not None and bool(lib.wide_amx_ready())
+
+
+def pack_rows(w: torch.Tensor) -> torch.Tensor:
+    """``w [N, K]`` (rows layout: ``y = x @ w^T``) -> bf16 ``[N / 16, K / 32, 16, 16, 2]``,
+    ``P[nb, kb, kp, c, p] = w[16 nb + c, 32 kb + 2 kp + p]`` (the tile layout of
+    ``kernels/cpu_prefill_amx.c``). Raises ValueError unless N % 16 == 0 and K % 32 == 0."""
+    N, K = w.shape
+    if N % TILE_N or K % TILE_K:
+        raise ValueError(f"AMX packing needs N % {TILE_N} == 0 and K % {TILE_K} == 0, got [{N}, {K}]")
+    v = w.to(torch.bfloat16).reshape(N // TILE_N, TILE_N, K // TILE_K, TILE_K // 2, 2)
+    return v.permute(0, 2, 3, 1, 4).contiguous()
+
+
+def pack_groups(w_t: torch.Tensor, g: int) -> torch.Tensor:
+    """An axis-k projection ``w_t [K, N]`` (``y = a @ w_t``, ``K = G g`` reduction channels in
+    groups of ``g``) -> bf16 ``[G, N / 16, g / 32, 16, 16, 2]``: each group's ``[N, g]`` slice
+    packed as ``pack_rows``. Raises ValueError unless N % 16 == 0 and g % 32 == 0."""
+    K, N = w_t.shape
+    if N % TILE_N or g % TILE_K or K % g:
+        raise ValueError(f"AMX packing needs N % {TILE_N} == 0, g % {TILE_K} == 0 and K % g == 0, got [{K}, {N}], g={g}")
+    v = w_t.to(torch.bfloat16).reshape(K // g, g // TILE_K, TILE_K // 2, 2, N // TILE_N, TILE_N)
+    return v.permute(0, 4, 1, 2, 5, 3).contiguous()
+
+
+def _mask_arg(mask: torch.Tensor | None, M: int, G: int) -> tuple[int | None, int, torch.Tensor | None]:
+    """(pointer, row stride in bytes, the tensor kept alive) of a ``[M, G]`` bool mask (None: every
+    token executes every group)."""
+    if mask is None:
+        return None, 0, None
+    if mask.shape != (M, G) or mask.dtype != torch.bool:
+        raise ValueError(f"mask {tuple(mask.shape)} {mask.dtype}, expected [{M}, {G}] bool")
+    m = mask.contiguous()
+    return m.data_ptr(), G, m
+
+
+def _check_x(x: torch.Tensor, K: int) -> None:
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] < K or x.stride(1) != 1:
+        raise ValueError(f"activations {tuple(x.shape)} {x.dtype}, expected [M, >= {K}] bf16 with unit stride")
+
+
+def rows(packed: torch.Tensor, x: torch.Tensor, out: torch.Tensor, mask: torch.Tensor | None, group_rows: int,
+         bias: torch.Tensor | None = None) -> bool:
+    """``out[t, j r : (j + 1) r] = x[t] @ W_j^T (+ bias)`` for the groups ``j`` token ``t``
+    executes (``r = group_rows``, ``W`` the rows ``packed`` holds, ``pack_rows``); other entries
+    of ``out`` are left as they are.
+
+    Args:
+        packed: ``[N / 16, K / 32, 16, 16, 2]`` bf16 (a row range of a packed projection is a
+            slice of its first dimension).
+        x: ``[M, K]`` bf16. out: ``[M, N]`` fp32 or bf16, unit inner stride.
+        mask: ``[M, N / r]`` bool, or None (every token, every group).
+        bias: fp32 ``[N]`` or None.
+    Returns:
+        False when the kernel cannot take the operands (nothing written): the caller runs PyTorch.
+    """
+    N, K = packed.shape[0] * TILE_N, packed.shape[1] * TILE_K
+    M = x.shape[0]
+    _check_x(x, K)
+    if N % group_rows or out.shape != (M, N) or out.stride(1) != 1 or out.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out {tuple(out.shape)} for {M} tokens x {N} rows in groups of {group_rows}")
+    G = N // group_rows
+    mp, ms, _keep = _mask_arg(mask, M, G)
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    lib = cpu_native.library()
+    rc = lib.wide_amx_proj(cpu_native.context(lib), 0, packed.data_ptr(), N, K, G, group_rows, x.data_ptr(), x.stride(0),
+                           M, mp, ms, out.data_ptr(), out.stride(0), 0 if out.dtype == torch.float32 else 1,
+                           None if b is None else b.data_ptr(), torch.get_num_threads())  # fmt: skip
+    return rc == 0
+
+
+def acc(packed: torch.Tensor, a: torch.Tensor, out: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """``out[t] += a[t, j g : (j + 1) g] @ W_j`` for the groups ``j`` token ``t`` executes
+    (``packed`` from ``pack_groups``: ``[G, N / 16, g / 32, 16, 16, 2]``).
+
+    Args:
+        a: ``[M, G g]`` bf16. out: ``[M, N]`` fp32, unit inner stride. mask: ``[M, G]`` bool or None.
+    Returns:
+        False when the kernel cannot take the operands (nothing written).
+    """
+    G, N, g = packed.shape[0], packed.shape[1] * TILE_N, packed.shape[2] * TILE_K
+    M = a.shape[0]
+    _check_x(a, G * g)
+    if out.shape != (M, N) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype}, expected [{M}, {N}] fp32")
+    mp, ms, _keep = _mask_arg(mask, M, G)
+    lib = cpu_native.library()
+    rc = lib.wide_amx_proj(cpu_native.context(lib), 1, packed.data_ptr(), N, G * g, G, g, a.data_ptr(), a.stride(0), M,
+                           mp, ms, out.data_ptr(), out.stride(0), 0, None, torch.get_num_threads())  # fmt: skip
+    return rc == 0
+
+
+def ffn(packed_gu: torch.Tensor, packed_down: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
+        mask: torch.Tensor | None, act: str = "silu") -> int | None:
+    """The routed gated FFN: ``out[t] = sum_j act(x[t] @ gate_j^T) * (x[t] @ up_j^T) @ down_j``
+    over the groups ``j`` token ``t`` executes, the gated activations rounded to bf16 between the
+    products.
+
+    Args:
+        packed_gu: ``pack_rows`` of the grouped gate/up rows ``[G 2 g, D]``
+            (``cpu_proj.grouped_gate_up``). packed_down: ``pack_groups(down_t, g)``.
+        x: ``[M, D]`` bf16. out: ``[M, D]`` fp32, every row written. mask: ``[M, G]`` bool or
+            None. act: ``silu`` (SwiGLU) or ``gelu_tanh``.
+    Returns:
+        The multiply-adds executed (the gate/up products of the executed pairs; the down product
+        runs, per block of 32 consecutive tokens, every group some token of the block executes,
+        with zeros for the block's skipped pairs: ``kernels/cpu_prefill_amx.c`` says why), or
+        None when the kernel cannot take the operands (nothing written).
+    """
+    G, D, g = packed_down.shape[0], packed_down.shape[1] * TILE_N, packed_down.shape[2] * TILE_K
+    M = x.shape[0]
+    _check_x(x, D)
+    if packed_gu.shape[0] * TILE_N != 2 * G * g or packed_gu.shape[1] * TILE_K != D:
+        raise ValueError(f"gate/up {tuple(packed_gu.shape)} does not match down {tuple(packed_down.shape)}")
+    if out.shape != (M, D) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype}, expected contiguous [{M}, {D}] fp32")
+    if act not in ("silu", "gelu_tanh"):
+        return None
+    mp, ms, _keep = _mask_arg(mask, M, G)
+    lib = cpu_native.library()
+    macs = ctypes.c_int64(0)
+    rc = lib.wide_amx_ffn(cpu_native.context(lib), packed_gu.data_ptr(), packed_down.data_ptr(), D, G, g, x.data_ptr(),
+                          x.stride(0), M, mp, ms, int(act == "gelu_tanh"), out.data_ptr(), ctypes.byref(macs),
+                          torch.get_num_threads())  # fmt: skip
+    return macs.value if rc == 0 else None
