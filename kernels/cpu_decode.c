@@ -1929,7 +1929,9 @@ int64_t wide_gemm(WCtx *c, int64_t fmt, int64_t ofmt, int64_t layout, const void
     return j.err ? -1 : 0;
 }
 
-/* Routed prefill on AMX tiles (wide_amx_ready, wide_amx_proj, wide_amx_ffn). */
+/* The elementwise pieces of a bf16 prefill layer (wide_rms_norm_rows, wide_rope_rows, wide_residual_rows). */
+#include "cpu_prefill_ops.c"
+/* Routed prefill on AMX tiles (wide_amx_ready, wide_amx_proj, wide_amx_ffn, wide_amx_attention). */
 #include "cpu_prefill_amx.c"
 
 /* Which vector code wide_gemm runs here: 2 AVX-512, 1 AVX2 + FMA, 0 the portable C twin. */

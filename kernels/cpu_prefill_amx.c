@@ -353,6 +353,194 @@ AMX_TARGET static void amx_ffn_job(void *arg, int64_t part, int64_t parts) {
     __atomic_fetch_add(j->macs, macs, __ATOMIC_RELAXED);
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Routed causal attention of prefill: per (row, query head), the query tokens that execute the
+ * head, 32 at a time, against the keys each may see; flash-style (online softmax over blocks of 32
+ * keys), Q K^T and P V on the tiles, the softmax in fp32 lanes. */
+
+typedef struct {
+    int64_t B, T, H, Hkv, d, S, Sp, q_offset, window, ldq, kb, ks, kh, lkv;
+    float scale;
+    const uint16_t *q, *k, *v;
+    const uint8_t *key_valid, *hmask;
+    uint16_t *kp, *vp; /* per (row, KV head): K packed by 16 keys x 32 dims, V by 32 keys x 16 dims */
+    uint16_t *out;
+    int64_t nitems;
+    const int64_t *items; /* [nitems][3]: row, head, first index into that (row, head)'s token list */
+    const int64_t *tok;   /* per (row, head) its executing tokens, at tok_off[b H + h] */
+    const int64_t *tok_off;
+    int64_t *pairs;       /* (query, key) pairs computed, added atomically */
+    int err;
+} AmxAttnJob;
+
+/* Pack the keys [0, S) of (row b, KV head h): kp tile (key block kb, dim chunk dc) [kp][n][p] =
+ * K[16 kb + n][32 dc + 2 kp + p]; vp tile (key chunk kc, dim block db) [kp][n][p] =
+ * V[32 kc + 2 kp + p][16 db + n]; keys from S to Sp (a multiple of 32) are zeros. */
+static void amx_attn_pack_job(void *arg, int64_t part, int64_t parts) {
+    AmxAttnJob *j = (AmxAttnJob *)arg;
+    const int64_t d = j->d, Sp = j->Sp, DC = d / 32, DB = d / 16;
+    for (int64_t bh = part; bh < j->B * j->Hkv; bh += parts) {
+        const int64_t b = bh / j->Hkv, h = bh % j->Hkv;
+        const uint16_t *K = j->k + b * j->kb + h * j->kh, *V = j->v + b * j->kb + h * j->kh;
+        uint32_t *kp = (uint32_t *)(j->kp + bh * j->lkv); /* a tile is 256 dwords (bf16 pairs) */
+        uint16_t *vp = j->vp + bh * j->lkv;
+        for (int64_t k0 = 0; k0 < Sp; k0 += 16) /* K: tile[kp][n] = the pair (2 kp, 2 kp + 1) of key k0 + n */
+            for (int64_t n = 0; n < 16; n++) {
+                const int64_t key = k0 + n;
+                for (int64_t dc = 0; dc < DC; dc++) {
+                    uint32_t *tile = kp + ((k0 / 16) * DC + dc) * 256;
+                    if (key < j->S) {
+                        const uint32_t *kr = (const uint32_t *)(K + key * j->ks + dc * 32);
+                        for (int64_t pr = 0; pr < 16; pr++) tile[pr * 16 + n] = kr[pr];
+                    } else {
+                        for (int64_t pr = 0; pr < 16; pr++) tile[pr * 16 + n] = 0;
+                    }
+                }
+            }
+        for (int64_t k0 = 0; k0 < Sp; k0 += 2) /* V: tile[kp][n][p] = V[32 kc + 2 kp + p][16 db + n] */
+            for (int64_t db = 0; db < DB; db++) {
+                uint16_t *tile = vp + ((k0 / 32) * DB + db) * 512 + ((k0 % 32) / 2) * 32;
+                const uint16_t *v0 = V + k0 * j->ks + db * 16, *v1 = v0 + j->ks;
+                for (int64_t n = 0; n < 16; n++) {
+                    tile[2 * n] = k0 < j->S ? v0[n] : 0;
+                    tile[2 * n + 1] = k0 + 1 < j->S ? v1[n] : 0;
+                }
+            }
+    }
+}
+
+/* Bits c of the keys k0 + c with lo <= key < hi (c < 32). */
+static inline uint32_t key_range_bits(int64_t k0, int64_t lo, int64_t hi) {
+    int64_t a = lo - k0, b = hi - k0;
+    a = a < 0 ? 0 : a > 32 ? 32 : a;
+    b = b < 0 ? 0 : b > 32 ? 32 : b;
+    if (b <= a) return 0;
+    const uint64_t m = ((b == 32 ? 0xffffffffull : ((1ull << b) - 1)) >> a) << a;
+    return (uint32_t)m;
+}
+
+AMX_TARGET static void amx_attn_job(void *arg, int64_t part, int64_t parts) {
+    AmxAttnJob *j = (AmxAttnJob *)arg;
+    const int64_t d = j->d, DC = d / 32, DB = d / 16, hpk = j->H / j->Hkv;
+    uint16_t qa[32 * 256] __attribute__((aligned(64)));  /* gathered queries [32][d] */
+    uint16_t pa[32 * 32] __attribute__((aligned(64)));   /* probabilities [32][32 keys] bf16 */
+    float sc[32 * 32] __attribute__((aligned(64)));      /* scores */
+    float pv[32 * 32] __attribute__((aligned(64)));
+    float o[32 * 256] __attribute__((aligned(64)));      /* output accumulator [32][d] */
+    float mx[32], l[32];
+    int64_t pos[32], pairs = 0;
+    amx_configure();
+    for (int64_t it = part; it < j->nitems; it += parts) {
+        const int64_t b = j->items[it * 3], h = j->items[it * 3 + 1], i0 = j->items[it * 3 + 2];
+        const int64_t *tok = j->tok + j->tok_off[b * j->H + h];
+        const int64_t ntok = j->tok_off[b * j->H + h + 1] - j->tok_off[b * j->H + h];
+        const int64_t nq = ntok - i0 < 32 ? ntok - i0 : 32;
+        for (int64_t r = 0; r < 32; r++) {
+            const int64_t t = tok[i0 + (r < nq ? r : nq - 1)];
+            memcpy(qa + r * d, j->q + (b * j->T + t) * j->ldq + h * d, (size_t)d * 2);
+            pos[r] = j->q_offset + t;
+            mx[r] = -INFINITY;
+            l[r] = 0.f;
+        }
+        memset(o, 0, sizeof(float) * 32 * (size_t)d);
+        const int64_t kvh = h / hpk, bh = b * j->Hkv + kvh;
+        const uint16_t *kp = j->kp + bh * j->lkv, *vp = j->vp + bh * j->lkv;
+        const uint8_t *kval = j->key_valid ? j->key_valid + b * j->S : NULL;
+        const int64_t last = pos[nq - 1]; /* tokens ascend: the block's last query sees the most keys */
+        int64_t first = 0;
+        if (j->window > 0 && pos[0] - j->window + 1 > 0) first = (pos[0] - j->window + 1) / 32 * 32;
+        for (int64_t k0 = first; k0 <= last && k0 < j->S; k0 += 32) {
+            /* scores [32 q][32 keys] = Q K^T */
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t dc = 0; dc < DC; dc++) {
+                _tile_loadd(4, qa + dc * 32, d * 2);
+                _tile_loadd(5, qa + 16 * d + dc * 32, d * 2);
+                _tile_loadd(6, kp + ((k0 / 16) * DC + dc) * 512, 64);
+                _tile_loadd(7, kp + ((k0 / 16 + 1) * DC + dc) * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, sc, 128);
+            _tile_stored(1, sc + 16, 128);
+            _tile_stored(2, sc + 16 * 32, 128);
+            _tile_stored(3, sc + 16 * 32 + 16, 128);
+            /* visibility of the block's keys per query row: causal, window, valid slots */
+            uint32_t valid = 0xffffffffu;
+            if (kval) {
+                valid = 0;
+                for (int64_t c = 0; c < 32 && k0 + c < j->S; c++) valid |= (uint32_t)(kval[k0 + c] != 0) << c;
+            }
+            for (int64_t r = 0; r < 32; r++) {
+                const int64_t hi = pos[r] + 1 < j->S ? pos[r] + 1 : j->S;
+                const uint32_t vis = key_range_bits(k0, j->window > 0 ? pos[r] - j->window + 1 : 0, hi) & valid;
+                if (r < nq) pairs += __builtin_popcount(vis);
+                const __mmask16 v0 = (__mmask16)(vis & 0xffff), v1 = (__mmask16)(vis >> 16);
+                const __m512 ninf = _mm512_set1_ps(-INFINITY), s = _mm512_set1_ps(j->scale);
+                __m512 a = _mm512_mask_mul_ps(ninf, v0, _mm512_load_ps(sc + r * 32), s);
+                __m512 bb = _mm512_mask_mul_ps(ninf, v1, _mm512_load_ps(sc + r * 32 + 16), s);
+                const float bm = _mm512_reduce_max_ps(_mm512_max_ps(a, bb));
+                const float mnew = bm > mx[r] ? bm : mx[r];
+                if (mnew == -INFINITY) { /* nothing visible yet for this row */
+                    memset(pa + r * 32, 0, 64);
+                    continue;
+                }
+                const float alpha = mx[r] == -INFINITY ? 0.f : expf(mx[r] - mnew);
+                mx[r] = mnew;
+                const __m512 vm = _mm512_set1_ps(mnew);
+                __m512 pa0 = _mm512_maskz_mov_ps(v0, amx_exp(_mm512_sub_ps(a, vm)));
+                __m512 pa1 = _mm512_maskz_mov_ps(v1, amx_exp(_mm512_sub_ps(bb, vm)));
+                /* the PV product reads P in bf16: the normaliser sums the same rounded values */
+                pa0 = rnd16(pa0);
+                pa1 = rnd16(pa1);
+                l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(pa0, pa1));
+                _mm256_store_si256((__m256i *)(pa + r * 32), st16_bf16(pa0));
+                _mm256_store_si256((__m256i *)(pa + r * 32 + 16), st16_bf16(pa1));
+                if (alpha != 1.f) {
+                    const __m512 va = _mm512_set1_ps(alpha);
+                    for (int64_t e = 0; e < d; e += 16) _mm512_store_ps(o + r * d + e, _mm512_mul_ps(_mm512_load_ps(o + r * d + e), va));
+                }
+            }
+            /* o += P V, 32 dims at a time */
+            for (int64_t db = 0; db < DB; db += 2) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                _tile_loadd(4, pa, 64);
+                _tile_loadd(5, pa + 16 * 32, 64);
+                _tile_loadd(6, vp + ((k0 / 32) * DB + db) * 512, 64);
+                _tile_loadd(7, vp + ((k0 / 32) * DB + db + 1) * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+                _tile_stored(0, pv, 128);
+                _tile_stored(1, pv + 16, 128);
+                _tile_stored(2, pv + 16 * 32, 128);
+                _tile_stored(3, pv + 16 * 32 + 16, 128);
+                for (int64_t r = 0; r < 32; r++) {
+                    float *orow = o + r * d + db * 16;
+                    _mm512_store_ps(orow, _mm512_add_ps(_mm512_load_ps(orow), _mm512_load_ps(pv + r * 32)));
+                    _mm512_store_ps(orow + 16, _mm512_add_ps(_mm512_load_ps(orow + 16), _mm512_load_ps(pv + r * 32 + 16)));
+                }
+            }
+        }
+        for (int64_t r = 0; r < nq; r++) {
+            uint16_t *dst = j->out + ((b * j->T + tok[i0 + r]) * j->H + h) * d;
+            const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
+            for (int64_t e = 0; e < d; e += 16)
+                _mm256_storeu_si256((__m256i *)(dst + e), st16_bf16(_mm512_mul_ps(_mm512_load_ps(o + r * d + e), inv)));
+        }
+    }
+    _tile_release();
+    __atomic_fetch_add(j->pairs, pairs, __ATOMIC_RELAXED);
+}
+
 /* 1 when this process can run the AMX kernels: the CPU has AMX-TILE, AMX-BF16 and AVX512-BF16 and
  * the kernel granted the tile data permission (asked for here, once per process; idempotent). */
 int64_t wide_amx_ready(void) {
@@ -414,6 +602,59 @@ int64_t wide_amx_ffn(WCtx *c, const uint16_t *Pgu, const uint16_t *Pd, int64_t D
 #else
     (void)c, (void)Pgu, (void)Pd, (void)D, (void)G, (void)g, (void)X, (void)ldx, (void)M, (void)mask, (void)mstride;
     (void)gelu, (void)out, (void)macs, (void)nthreads;
+    return -1;
+#endif
+}
+
+/* Routed causal attention of a prefill step on the tiles. q [B][T][H][d] bf16 (token rows ldq
+ * elements apart, heads contiguous; scaled by `scale` in the scores); k, v: the cache's keys and
+ * values of slots [0, S), element (b, slot, kv head, e) at b kb + slot ks + kvh kh + e (bf16);
+ * queries sit at slots q_offset + t; a query sees the slots at or before its own, within `window`
+ * of it (0: no window), that key_valid [B][S] marks (NULL: all). hmask [B][T][H] (NULL: every
+ * head): the (token, head) pairs to compute; out [B][T][H][d] bf16 gets them and zeros elsewhere
+ * (and for a query that sees no key). d a multiple of 32, at most 256; H a multiple of Hkv.
+ * *pairs += the (query, key) pairs computed. Returns 0, or -1 (nothing written) for arguments it
+ * does not take: no AMX here, sizes, an allocation failure. */
+int64_t wide_amx_attention(WCtx *c, const uint16_t *q, int64_t ldq, int64_t B, int64_t T, int64_t H, int64_t Hkv,
+                           int64_t d, const uint16_t *k, const uint16_t *v, int64_t kb, int64_t ks, int64_t kh,
+                           int64_t S, int64_t q_offset, int64_t window, const uint8_t *key_valid, float scale,
+                           const uint8_t *hmask, uint16_t *out, int64_t *pairs, int64_t nthreads) {
+#ifdef WIDE_AMX
+    if (B <= 0 || T <= 0 || H <= 0 || Hkv <= 0 || H % Hkv || d % 32 || d > 256 || S <= 0 || q_offset + T > S) return -1;
+    if (nthreads != c->pool.n) pool_resize(&c->pool, nthreads);
+    const int64_t Sp = (S + 31) / 32 * 32;
+    int64_t *off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B * H + 1));
+    int64_t *tok = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B * H * T));
+    int64_t *items = (int64_t *)malloc(sizeof(int64_t) * 3 * (size_t)(B * H * ((T + 31) / 32)));
+    uint16_t *kp = (uint16_t *)aligned_alloc(64, (size_t)(B * Hkv * Sp * d * 2));
+    uint16_t *vp = (uint16_t *)aligned_alloc(64, (size_t)(B * Hkv * Sp * d * 2));
+    int rc = -1;
+    if (off && tok && items && kp && vp) {
+        int64_t n = 0, ni = 0;
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++) {
+                off[b * H + h] = n;
+                const int64_t n0 = n;
+                for (int64_t t = 0; t < T; t++)
+                    if (!hmask || hmask[(b * T + t) * H + h]) tok[n++] = t;
+                for (int64_t i = n0; i < n; i += 32) items[ni * 3] = b, items[ni * 3 + 1] = h, items[ni * 3 + 2] = i - n0, ni++;
+            }
+        off[B * H] = n;
+        memset(out, 0, (size_t)(B * T * H * d * 2));
+        AmxAttnJob j = {B, T, H, Hkv, d, S, Sp, q_offset, window, ldq, kb, ks, kh, Sp * d, scale, q, k, v, key_valid,
+                     hmask, kp, vp, out, ni, items, tok, off, pairs, 0};
+        if (ni) {
+            pool_run(&c->pool, amx_attn_pack_job, &j);
+            pool_run(&c->pool, amx_attn_job, &j);
+        }
+        rc = j.err ? -1 : 0;
+    }
+    free(off), free(tok), free(items), free(kp), free(vp);
+    return rc;
+#else
+    (void)c, (void)q, (void)ldq, (void)B, (void)T, (void)H, (void)Hkv, (void)d, (void)k, (void)v, (void)kb, (void)ks;
+    (void)kh, (void)S, (void)q_offset, (void)window, (void)key_valid, (void)scale, (void)hmask, (void)out, (void)pairs;
+    (void)nthreads;
     return -1;
 #endif
 }

@@ -218,3 +218,46 @@ def test_prefill_counts_what_the_tiles_execute(routed_model, random_masks):
     # half the groups skipped: the gathered products count half; the FFN's down product counts
     # the blocks' live groups in full (every group is live in a block of 32 random tokens)
     assert 0.5 * counts["dense"] < counts["amx"] < 0.9 * counts["dense"]
+
+
+@pytest.mark.parametrize("case", [
+    # B, T, H, H_kv, d, q_offset, window, p (None: every head), left padding of row 1
+    (1, 100, 9, 3, 64, 0, None, None, 0),
+    (2, 70, 4, 2, 32, 0, None, 0.5, 5),
+    (1, 64, 4, 1, 64, 30, None, 0.3, 0),  # a prefill chunk after 30 cached slots
+    (1, 90, 4, 4, 64, 0, 16, 0.7, 0),  # sliding window
+    (2, 300, 6, 2, 128, 0, None, 0.5, 3),
+])  # fmt: skip
+def test_routed_attention_on_the_tiles_matches_the_reference(case):
+    _need_amx()
+    from wide_cli.runtime import ops
+
+    B, T, H, Hkv, d, off, window, p, pad = case
+    S = off + T
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(B, n, h, d, generator=gen).bfloat16() for n, h in ((T, H), (S, Hkv), (S, Hkv)))
+    hm = None if p is None else torch.rand(B, T, H, generator=gen) < p
+    kv = None
+    if pad:
+        kv = torch.ones(B, S, dtype=torch.bool)
+        kv[1, :pad] = False
+    out, pairs = cpu_amx.attention(q, k, v, hm, key_valid=kv, q_offset=off, scale=d**-0.5, window=window)
+    want = ops.attention_prefill(q.float(), k.float(), v.float(), hm, key_valid=kv, q_offset=off, scale=d**-0.5,
+                                 window=window)  # fmt: skip
+    # the probabilities are rounded to bf16 for the P V product (and for their normaliser)
+    torch.testing.assert_close(out.float(), want, atol=0.02, rtol=0)
+    if hm is not None:
+        assert torch.equal(out[~hm], torch.zeros_like(out[~hm]))  # skipped heads are exact zeros
+    # (query, key) pairs: each executing query sees its causal (windowed, valid) keys
+    vis = ops.key_visibility(B, T, S, off, kv, window, torch.device("cpu"))  # [B, T, S]
+    ex = torch.ones(B, T, H, dtype=torch.bool) if hm is None else hm
+    assert pairs == int((vis[:, :, None, :] & ex[..., None]).sum())
+
+
+def test_attention_declines_what_it_does_not_take():
+    _need_amx()
+    q = torch.zeros(1, 20, 2, 48).bfloat16()  # head dim off the tile multiple
+    k = torch.zeros(1, 20, 1, 48).bfloat16()
+    assert cpu_amx.attention(q, k, k, None, key_valid=None, q_offset=0, scale=1.0, window=None) is None
+    assert cpu_amx.attention(q.float(), k.float(), k.float(), None, key_valid=None, q_offset=0, scale=1.0,
+                             window=None) is None  # fmt: skip

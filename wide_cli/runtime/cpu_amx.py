@@ -96,6 +96,8 @@ def rows(packed: torch.Tensor, x: torch.Tensor, out: torch.Tensor, mask: torch.T
     if N % group_rows or out.shape != (M, N) or out.stride(1) != 1 or out.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out {tuple(out.shape)} for {M} tokens x {N} rows in groups of {group_rows}")
     G = N // group_rows
+    if not ready():  # the tile state is the OS's to grant (ready asks for it once)
+        return False
     mp, ms, _keep = _mask_arg(mask, M, G)
     b = None if bias is None else bias.to(torch.float32).contiguous()
     lib = cpu_native.library()
@@ -119,6 +121,8 @@ def acc(packed: torch.Tensor, a: torch.Tensor, out: torch.Tensor, mask: torch.Te
     _check_x(a, G * g)
     if out.shape != (M, N) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype}, expected [{M}, {N}] fp32")
+    if not ready():
+        return False
     mp, ms, _keep = _mask_arg(mask, M, G)
     lib = cpu_native.library()
     rc = lib.wide_amx_proj(cpu_native.context(lib), 1, packed.data_ptr(), N, G * g, G, g, a.data_ptr(), a.stride(0), M,
@@ -150,7 +154,7 @@ def ffn(packed_gu: torch.Tensor, packed_down: torch.Tensor, x: torch.Tensor, out
         raise ValueError(f"gate/up {tuple(packed_gu.shape)} does not match down {tuple(packed_down.shape)}")
     if out.shape != (M, D) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out {tuple(out.shape)} {out.dtype}, expected contiguous [{M}, {D}] fp32")
-    if act not in ("silu", "gelu_tanh"):
+    if act not in ("silu", "gelu_tanh") or not ready():
         return None
     mp, ms, _keep = _mask_arg(mask, M, G)
     lib = cpu_native.library()
@@ -159,3 +163,38 @@ def ffn(packed_gu: torch.Tensor, packed_down: torch.Tensor, x: torch.Tensor, out
                           x.stride(0), M, mp, ms, int(act == "gelu_tanh"), out.data_ptr(), ctypes.byref(macs),
                           torch.get_num_threads())  # fmt: skip
     return macs.value if rc == 0 else None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_mask: torch.Tensor | None, *,
+              key_valid: torch.Tensor | None, q_offset: int, scale: float, window: int | None) -> tuple | None:
+    """``ops.attention_prefill`` on the tiles: causal attention of the (token, head) pairs
+    ``head_mask`` marks, flash-style (online softmax over blocks of 32 keys, the probabilities
+    rounded to bf16 for the P V product, as they are for the sum they are divided by).
+
+    Args:
+        q: ``[B, T, H, d]`` bf16, heads contiguous. k, v: ``[B, S, H_kv, d]`` bf16 (views of the
+            cache) with unit inner stride. head_mask: ``[B, T, H]`` bool or None (every pair).
+        key_valid: ``[B, S]`` bool or None; q_offset: the slot of query 0; window: or None.
+    Returns:
+        ``(out [B, T, H, d] bf16, pairs)``: zeros for skipped pairs and for queries that see no
+        key; ``pairs`` the (query, key) pairs computed. None when the kernel does not take the
+        operands (d not a multiple of 32 or above 256, strides).
+    """
+    B, T, H, d = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    if not ready() or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        return None
+    if d % TILE_K or d > 256 or q.stride(3) != 1 or q.stride(2) != d or q.stride(0) != T * q.stride(1):
+        return None
+    if k.stride() != v.stride() or k.stride(3) != 1:
+        return None
+    kv = None if key_valid is None else key_valid[:, :S].to(torch.uint8).contiguous()
+    hm = None if head_mask is None else head_mask.to(torch.uint8).contiguous()
+    out = torch.empty(B, T, H, d, dtype=torch.bfloat16)
+    pairs = ctypes.c_int64(0)
+    lib = cpu_native.library()
+    rc = lib.wide_amx_attention(cpu_native.context(lib), q.data_ptr(), q.stride(1), B, T, H, Hkv, d, k.data_ptr(),
+                                v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), S, q_offset, window or 0,
+                                None if kv is None else kv.data_ptr(), scale, None if hm is None else hm.data_ptr(),
+                                out.data_ptr(), ctypes.byref(pairs), torch.get_num_threads())  # fmt: skip
+    return (out, pairs.value) if rc == 0 else None

@@ -1,8 +1,9 @@
 """Attention of the cpu backend, skipping the head groups a token does not execute.
 
 Prefill runs, per row and head group, only the executing query tokens, in chunks whose key range
-ends at the chunk's last query (so causal work is not wasted), or, when most (token, head) pairs
-execute, one causal SDPA then the mask; decode reads the KV heads of the
+ends at the chunk's last query (so causal work is not wasted; in bf16 on a CPU with AMX, one call
+of ``cpu_amx.attention`` for all of them), or, when most (token, head) pairs execute, one causal
+SDPA then the mask; decode reads the KV heads of the
 active head groups only (the union over rows when ``B > 1``).
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from wide_cli.runtime import ops
+from wide_cli.runtime import cpu_amx, ops
 from wide_cli.runtime.cpu_plan import SMALL_M, active_runs, dense_then_mask, mask_state, skip_plan
 
 # Query tokens per attention chunk in routed prefill.
@@ -66,9 +67,14 @@ def attention_prefill(q, k, v, head_mask, *, key_valid=None, q_offset=0, scale, 
         if counter is not None:  # a masked SDPA computes every (query, key) pair
             counter.attn_macs += B * H * d * 2 * T * S
         return out.transpose(1, 2)
-    out = torch.zeros(B, T, H, d, dtype=q.dtype, device=q.device)
     if state == "none":
-        return out
+        return torch.zeros(B, T, H, d, dtype=q.dtype, device=q.device)
+    tiles = cpu_amx.attention(q, k, v, head_mask, key_valid=key_valid, q_offset=q_offset, scale=scale, window=window)
+    if tiles is not None:  # bf16 on a CPU with AMX: the executing pairs only, on the tiles
+        if counter is not None:
+            counter.attn_macs += tiles[1] * d * 2
+        return tiles[0]
+    out = torch.zeros(B, T, H, d, dtype=q.dtype, device=q.device)
     slots_all = torch.arange(S, device=q.device)
     for b in range(B):
         hm = head_mask[b]  # [T, H]

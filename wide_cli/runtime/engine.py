@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from wide_cli.routing.router import apply_standin
-from wide_cli.runtime import generation
+from wide_cli.runtime import cpu_prefill, generation
 from wide_cli.runtime.backend import Backend, Counter, ModelWeights, get_backend
 from wide_cli.runtime.checkpoint import weights_from_export, weights_from_model, weights_from_tensors
 from wide_cli.runtime.generation import GenerationResult
@@ -206,6 +206,9 @@ class Runtime:
         # The native decode step (1-64 rows) is used where it can run (``_native_for``); False keeps
         # every step on the PyTorch path (the oracle in tests, ``wide bench``'s torch rows).
         self.native_decode = getattr(self.backend, "name", None) == "cpu"
+        # The native elementwise ops of bf16 prefill (``runtime/cpu_prefill.py``) on the cpu
+        # backend; the reference backend keeps PyTorch's (it is the oracle).
+        self.native_prefill_ops = getattr(self.backend, "name", None) == "cpu" and self.dtype == torch.bfloat16
         #: the export's features (``wide_cli.features``) when loaded from an export, else None;
         #: the native step refuses those it does not run (``NativeDecoder.ineligible``)
         self.export_features = weights.extra.get("export_features")
@@ -370,13 +373,14 @@ class Runtime:
         # --- attention: router on the residual stream entering the layer
         ex = self._decide(m, "attention", x, ctx)
         mflat = None if ex is None else ex.reshape(M, -1)
-        h = rms_norm(x, m.ln_attn, self.eps).reshape(M, D)
+        fast = self.native_prefill_ops and M >= cpu_prefill.MIN_TOKENS
+        h = self._norm(x, m.ln_attn, fast).reshape(M, D)
         q, k, v = be.attn_in(p, h, mflat)
         q, k, v = q.reshape(B, T, H, d), k.reshape(B, T, Hkv, d), v.reshape(B, T, Hkv, d)
         if m.q_norm is not None:  # Qwen3, Gemma 3: per-head RMSNorm before RoPE
-            q, k = rms_norm(q, m.q_norm, self.eps), rms_norm(k, m.k_norm, self.eps)
+            q, k = self._norm(q, m.q_norm, fast), self._norm(k, m.k_norm, fast)
         cos, sin = ctx.ropes[m.rope]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self._rope(q, cos, sin, fast), self._rope(k, cos, sin, fast)
         cache.write(i, k, v, ctx.start)  # every token, whatever its routing: later tokens read it
         head_mask = None if ex is None else ex.repeat_interleave(m.attn_group_size, dim=-1)  # [B, T, H]
         scale = m.attn_scale
@@ -394,9 +398,20 @@ class Runtime:
         x = self._residual_add(m, "attention", x, y, ex, h, m.ln_attn_out)
         # --- FFN: router on the residual stream after the attention add
         ex = self._decide(m, "ffn", x, ctx)
-        h = rms_norm(x, m.ln_ffn, self.eps).reshape(M, D)
+        h = self._norm(x, m.ln_ffn, fast).reshape(M, D)
         y = be.mlp(p, h, None if ex is None else ex.reshape(M, -1)).view(B, T, D)
         return self._residual_add(m, "ffn", x, y, ex, h, m.ln_ffn_out)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, fast: bool) -> torch.Tensor:
+        """``rms_norm(x, weight)``, natively for a bf16 prefill step on the cpu backend (``fast``)."""
+        out = cpu_prefill.rms_norm(x, weight, self.eps) if fast else None
+        return rms_norm(x, weight, self.eps) if out is None else out
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fast: bool) -> torch.Tensor:
+        """``apply_rope(x, cos, sin)``, natively and in place for a bf16 prefill step (``fast``)."""
+        out = cpu_prefill.rope_(x, cos, sin) if fast else None
+        return apply_rope(x, cos, sin) if out is None else out
 
     def _residual_add(self, m: LayerMeta, module: str, x: torch.Tensor, y: torch.Tensor,
                       execute: torch.Tensor | None, h: torch.Tensor, out_norm: torch.Tensor | None) -> torch.Tensor:
@@ -407,6 +422,10 @@ class Runtime:
         ``sublayer_output``): ``x + norm(y + stand-ins)``, and exactly ``x`` for a token that
         executes none of the block's groups."""
         if out_norm is None:
+            if self.native_prefill_ops and h.shape[0] >= cpu_prefill.MIN_TOKENS and m.standin_maps[module] is None:
+                out = cpu_prefill.residual(x, y, execute, m.standins[module])
+                if out is not None:
+                    return out
             return _add_standin(m, module, x + y, execute, h, self.counter)
         y = rms_norm(_add_standin(m, module, y, execute, h, self.counter), out_norm, self.eps)
         if execute is not None:
