@@ -105,6 +105,19 @@ def test_prefill_plan_runs_dense_then_masks_only_above_the_executed_fraction():
     assert cpu_plan.skip_plan(torch.zeros(M, G, dtype=torch.bool))[0] == "none"
 
 
+def test_tiles_gather_below_their_own_executed_fraction_or_when_a_group_is_unused():
+    G, M = 10, 40
+    mask = torch.zeros(M, G, dtype=torch.bool)
+    k = int(cpu_plan.AMX_DENSE_MASKED_FRACTION * M * G)
+    mask.view(-1)[:k] = True  # every group used by some token
+    assert not cpu_plan.gather_on_tiles(mask)
+    mask.view(-1)[k - 1] = False
+    assert cpu_plan.gather_on_tiles(mask)
+    full_but_one = torch.ones(M, G, dtype=torch.bool)
+    full_but_one[:, 3] = False  # 0.9 of the pairs, but group 3 runs for no token
+    assert cpu_plan.gather_on_tiles(full_but_one)
+
+
 @pytest.mark.parametrize("p", [0.5, 0.9])  # 0.9 on 129 tokens: the dense GEMMs, then the mask
 def test_grouped_ffn_matches_naive(p):
     M, D, F, g = 129, 24, 32, 8

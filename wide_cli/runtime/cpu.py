@@ -38,6 +38,14 @@ Two ways to skip, chosen by the number of tokens ``M`` in the call:
   token, runs the dense GEMMs and zeroes the skipped pairs instead: the gathered GEMMs cost more
   than the few skipped pairs save.
 
+On a CPU with AMX (``cpu_amx.ready``), a routed bf16 prefill call (Q, O, the gated FFN, causal
+attention) runs as one native call per module on the tiles instead (``kernels/cpu_prefill_amx.c``):
+weights packed once per process, each group's tokens gathered inside the kernel, the FFN's
+intermediate activations kept per group; it gathers below ``cpu_plan.AMX_DENSE_MASKED_FRACTION``
+(90 %) of the pairs and otherwise runs PyTorch's dense GEMMs and the mask. There bf16 prefill's
+RMSNorm, RoPE and residual + stand-ins run natively too (``runtime/cpu_prefill.py``).
+``WIDE_CPU_AMX=0`` keeps every call on the paths of this module.
+
 Attention prefill runs, per row and head group, only the executing query tokens, in chunks whose
 key range ends at the chunk's last query (so causal work is not wasted), or, as the projections
 above, one causal SDPA over every head then the mask; decode reads the KV heads of the active head

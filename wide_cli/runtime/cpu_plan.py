@@ -25,6 +25,13 @@ SMALL_M = 16
 # a line through those crosses dense at about 0.8.
 DENSE_MASKED_FRACTION = 0.8
 
+# The same choice for the AMX prefill kernels (``cpu_amx``, bf16), which gather inside one native
+# call and so cost little more than their executed multiply-adds: the routed gated FFN took 1.10x
+# PyTorch's dense bf16 GEMMs (oneDNN, also on the tiles) with every pair executed, and 0.63x at
+# half of them (SmolLM2-135M FFN shapes, 256 tokens, 1 thread, Xeon with AMX); a line through
+# those crosses dense at about 0.9.
+AMX_DENSE_MASKED_FRACTION = 0.9
+
 
 def active_runs(active: list[bool]) -> list[tuple[int, int]]:
     """Maximal runs ``[start, end)`` of True in ``active``."""
@@ -48,6 +55,14 @@ def dense_then_mask(mask: torch.Tensor, executed: int | None = None) -> bool:
     runs the fully used groups as plain GEMMs)."""
     n = int(mask.sum()) if executed is None else executed
     return n >= DENSE_MASKED_FRACTION * mask.numel() and bool(mask.reshape(-1, mask.shape[-1]).any(0).all())
+
+
+def gather_on_tiles(mask: torch.Tensor) -> bool:
+    """Whether a large routed bf16 call with ``mask [M, G]`` runs on the AMX kernels rather than
+    as dense GEMMs then the mask: fewer than ``AMX_DENSE_MASKED_FRACTION`` of its pairs execute,
+    or some group executes for no token (dense would compute it for nothing)."""
+    n = int(mask.sum())
+    return n < AMX_DENSE_MASKED_FRACTION * mask.numel() or not bool(mask.any(0).all())
 
 
 def skip_plan(mask: torch.Tensor | None) -> tuple[str, list[tuple[int, int]], bool]:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from wide_cli.runtime import cpu_amx, cpu_native, ops
 from wide_cli.runtime.backend import Counter
-from wide_cli.runtime.cpu_plan import SMALL_M, mask_state, skip_plan
+from wide_cli.runtime.cpu_plan import SMALL_M, gather_on_tiles, mask_state, skip_plan
 
 
 def _native_gemm_dtypes() -> frozenset:
@@ -199,10 +199,11 @@ class Proj:
             out.index_add_(0, idx, a @ w)
 
 
-def _amx_routed(p: Proj, a: torch.Tensor) -> bool:
+def _amx_routed(p: Proj, a: torch.Tensor, mask: torch.Tensor) -> bool:
     """Whether a routed prefill call on ``p`` runs on the AMX kernels (``cpu_amx``): bf16
-    activations, no byte tracing (the kernels do not report spans), and a packed copy of ``p``."""
-    return a.dtype == torch.bfloat16 and p.counter.trace is None and p.amx() is not None
+    activations, no byte tracing (the kernels do not report spans), a packed copy of ``p``, and a
+    mask sparse enough to gain from gathering (``cpu_plan.gather_on_tiles``)."""
+    return a.dtype == torch.bfloat16 and p.counter.trace is None and p.amx() is not None and gather_on_tiles(mask)
 
 
 def gemm_mn_proj(a: torch.Tensor, p: Proj, mask, group_size: int, bias=None, plan=None) -> torch.Tensor:
@@ -217,7 +218,7 @@ def gemm_mn_proj(a: torch.Tensor, p: Proj, mask, group_size: int, bias=None, pla
     out = torch.zeros(M, N, dtype=a.dtype, device=a.device)
     if state == "none":
         return out
-    amx = M > SMALL_M and _amx_routed(p, a) and g % cpu_amx.TILE_N == 0
+    amx = M > SMALL_M and g % cpu_amx.TILE_N == 0 and _amx_routed(p, a, mask)
     if amx and cpu_amx.rows(p.amx()[: N // cpu_amx.TILE_N], a, out, mask, g, bias):
         p.count_routed(mask, g * p.K)
         return out
@@ -257,7 +258,7 @@ def gemm_k_proj(a: torch.Tensor, p: Proj, mask, bias=None, plan=None) -> torch.T
         out.add_(bias)
     if state == "none":
         return out.to(a.dtype)
-    if state == "sparse" and M > SMALL_M and _amx_routed(p, a):
+    if state == "sparse" and M > SMALL_M and _amx_routed(p, a, mask):
         out = out if out.dtype == torch.float32 else out.float()
         if cpu_amx.acc(p.amx(), a, out, mask):
             p.count_routed(mask, g * p.N)
@@ -306,7 +307,7 @@ def ffn_proj(x: torch.Tensor, gu: Proj, down: Proj, mask, plan=None, act: str = 
     G = down.K // g
     M = x.shape[0]
     state, runs, uniform = plan or skip_plan(mask)
-    if state == "sparse" and M > SMALL_M and _amx_routed(gu, x) and _amx_routed(down, x):
+    if state == "sparse" and M > SMALL_M and _amx_routed(gu, x, mask) and _amx_routed(down, x, mask):
         y = torch.empty(M, down.N, dtype=torch.float32)
         macs = cpu_amx.ffn(gu.amx(), down.amx(), x, y, mask, act)
         if macs is not None:
