@@ -76,12 +76,17 @@ lint: setup
 
 # llama.cpp for `wide bench` (the optional `llama` extra): llama-cpp-python compiles llama.cpp from
 # source (not installed by `setup`, nor by CI). Without the multimodal library, tests and examples
-# it took ~10 min on one core of the dev box (34 min with everything).
+# it took ~10 min on one core of the dev box (34 min with everything). Built for this CPU but without
+# llama.cpp's AMX matrix kernels: on a Xeon with AMX (llama-cpp-python 0.3.36) their first tile
+# load on a worker thread raised SIGILL (illegal instruction) in every Q4_0 / Q8_0 forward; GCC's
+# explicit -mno-amx-* flags (CMake reads CFLAGS / CXXFLAGS) win over -march=native whatever their order.
 LLAMA_STAMP := $(VENV)/.wide-llama-stamp
+LLAMA_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 llama-setup: $(LLAMA_STAMP)
 
 $(LLAMA_STAMP): $(STAMP)
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+	CFLAGS="$(LLAMA_NO_AMX)" CXXFLAGS="$(LLAMA_NO_AMX)" \
+	  CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
 	  $(PIP) install -q -e '.[llama]'
 	touch $(LLAMA_STAMP)
 

@@ -9,13 +9,32 @@
 # of 4,096 tokens on the cost-0.5 export, and its prefill of 128 / 1,024 / 4,096 tokens at 2 threads.
 # Usage: benchmarks/bench_cpu.sh DEMO_EXPORT COST05_EXPORT [OUT_DIR]   (needs `make llama-setup`)
 # DEMO_EXPORT '-' skips the demo run; C05_THREADS=1 limits the cost-0.5 run to one thread (a machine where another job holds a core).
+# SECTIONS=amx runs only the runs of the first section of bench-cpu.md (a CPU with AMX: prefill of
+# 128 / 1,024 / 4,096 tokens, decode batches and llama.cpp on both exports, 1 and 2 threads);
+# SECTIONS=rest the others; the default runs both.
 # Run it on a quiet machine: the 2-thread rows measure whatever else holds a core.
 set -euo pipefail
 demo=$1
 c05=$2
 out=${3:-docs/results}
 wide=${WIDE:-.venv/bin/wide}
+sections=${SECTIONS:-amx,rest}
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+if [[ $sections == *amx* ]]; then
+  # The cost-0.5 export: every system and format at prefill 128 / 1,024 and decode batches of 1, 4
+  # and 16 rows; then prefill of 4,096 tokens, the runtime only; then the demo export like the first.
+  $wide bench "$c05" --systems hf,dense,cpu --weights fp32,bf16,int8,int4 \
+    --prefill-lengths 128,1024 --decode-batches 1,4,16 --new-tokens 32 --decode-prompt-len 64 --threads 1,2 \
+    --json-out "$out/bench-cpu-amx-cost05.json"
+  $wide bench "$c05" --systems dense,cpu --weights fp32,bf16,int8,int4 --prefill-lengths 4096 --decode-batches 1 \
+    --new-tokens 8 --decode-prompt-len 64 --threads 1,2 --json-out "$out/bench-cpu-amx-prefill4k.json"
+  if [ "$demo" != "-" ]; then
+    $wide bench "$demo" --systems hf,dense,cpu --weights fp32,bf16,int8,int4 \
+      --prefill-lengths 128,1024 --decode-batches 1,4,16 --new-tokens 32 --decode-prompt-len 64 --threads 1,2 \
+      --json-out "$out/bench-cpu-amx-demo.json"
+  fi
+fi
+[[ $sections == *rest* ]] || exit 0
 if [ "$demo" != "-" ]; then
   $wide bench "$demo" --systems hf,dense,cpu,dense-torch,cpu-torch,llama.cpp --weights fp32,bf16,int8 \
     --prefill-lengths 1024 --decode-batches 1 --new-tokens 128 --decode-prompt-len 64 --threads 1,2 \
