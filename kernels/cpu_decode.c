@@ -441,7 +441,11 @@ static inline __m512 bcast_pair(const float *p) { /* [p0 p1 p0 p1 ...] */
 }
 
 /* y[r] = sum_b S[r, b] qs[b] sum_{k in b} W[r, k] q[k] for n int8 rows in I8_LAYOUT: |q| times the
- * weights with the sign of q moved onto them (vpdpbusd multiplies unsigned by signed bytes). */
+ * weights with the sign of q moved onto them (vpdpbusd multiplies unsigned by signed bytes). One
+ * weight row at a time, so the n rows are one forward stream (as dot_f32_nb): on a 2-core AVX-512
+ * EPYC (Zen 4 class, ~30 GB/s per core), 1 thread, a [3072, 576] matrix read 23.6 GB/s out of
+ * cache this way against 10.1 GB/s in blocks of four rows with software prefetch, and 62 against
+ * 54 GB/s in L2. Each row sums in the same order either way. */
 static void dot_i8_vnni(const int8_t *W, const float *S, int64_t K, int64_t n, const Vec *v, float *y) {
     const int64_t nb = K / QBLOCK, nc = nb / 2;
     const __m512i z = _mm512_setzero_si512(), perm = i8_layout_perm();
@@ -452,24 +456,6 @@ static void dot_i8_vnni(const int8_t *W, const float *S, int64_t K, int64_t n, c
         x_ = _mm512_dpbusd_epi32(z, qa, _mm512_mask_sub_epi8(x_, ng, z, x_));                        \
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x_), _mm512_mul_ps(bcast_pair(s), sx), acc);         \
     } while (0)
-    for (; r + 4 <= n; r += 4) {
-        const int8_t *w0 = W + r * K;
-        const float *s0 = S + r * nb;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t c = 0; c < nc; c++) {
-            const __m512i q = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(v->qa + 64 * c));
-            const __m512i qa = _mm512_abs_epi8(q);
-            const __mmask64 ng = _mm512_movepi8_mask(q);
-            const __m512 sx = bcast_pair(v->qs + 2 * c);
-            PREFETCH_ROWS(w0 + 64 * c, K);
-            I8_ROW(a0, w0 + 64 * c, s0 + 2 * c);
-            I8_ROW(a1, w0 + K + 64 * c, s0 + nb + 2 * c);
-            I8_ROW(a2, w0 + 2 * K + 64 * c, s0 + 2 * nb + 2 * c);
-            I8_ROW(a3, w0 + 3 * K + 64 * c, s0 + 3 * nb + 2 * c);
-        }
-        y[r] = _mm512_reduce_add_ps(a0); y[r + 1] = _mm512_reduce_add_ps(a1);
-        y[r + 2] = _mm512_reduce_add_ps(a2); y[r + 3] = _mm512_reduce_add_ps(a3);
-    }
     for (; r < n; r++) {
         __m512 a0 = _mm512_setzero_ps();
         for (int64_t c = 0; c < nc; c++) {
@@ -497,23 +483,10 @@ static void dot_i8_vnni(const int8_t *W, const float *S, int64_t K, int64_t n, c
 #endif
 
 #ifdef WIDE_BF16DP
-/* y[r] = sum_k W[r, k] xb[k] for n bf16 rows, fp32 accumulation (vdpbf16ps). */
+/* y[r] = sum_k W[r, k] xb[k] for n bf16 rows, fp32 accumulation (vdpbf16ps), one row at a time
+ * (dot_i8_vnni says why: here 20.1 against 11.5 GB/s out of cache, the same machine and shape). */
 static void dot_bf16_dp(const uint16_t *W, int64_t K, int64_t n, const uint16_t *xb, float *y) {
     int64_t r = 0;
-    for (; r + 4 <= n; r += 4) {
-        const uint16_t *w0 = W + r * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t k = 0; k < K; k += 32) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + k);
-            PREFETCH_ROWS(w0 + k, K);
-            a0 = _mm512_dpbf16_ps(a0, xv, (__m512bh)_mm512_loadu_si512(w0 + k));
-            a1 = _mm512_dpbf16_ps(a1, xv, (__m512bh)_mm512_loadu_si512(w1 + k));
-            a2 = _mm512_dpbf16_ps(a2, xv, (__m512bh)_mm512_loadu_si512(w2 + k));
-            a3 = _mm512_dpbf16_ps(a3, xv, (__m512bh)_mm512_loadu_si512(w3 + k));
-        }
-        y[r] = _mm512_reduce_add_ps(a0); y[r + 1] = _mm512_reduce_add_ps(a1);
-        y[r + 2] = _mm512_reduce_add_ps(a2); y[r + 3] = _mm512_reduce_add_ps(a3);
-    }
     for (; r < n; r++) {
         const uint16_t *w0 = W + r * K;
         __m512 a0 = _mm512_setzero_ps();
