@@ -57,7 +57,7 @@ def attention_prefill(q, k, v, head_mask, *, key_valid=None, q_offset=0, scale, 
         if counter is not None:  # causal: query t reads t + 1 keys
             counter.attn_macs += B * H * d * 2 * (T * (T + 1) // 2)
         out = out.transpose(1, 2)
-        return out if state == "dense" else out * head_mask[..., None].to(out.dtype)
+        return out if state == "dense" else out.mul_(head_mask[..., None])
     if state == "dense":
         vis = ops.key_visibility(B, T, S, q_offset, key_valid, window, q.device)  # [B, T, S]
         out = F.scaled_dot_product_attention(
