@@ -72,7 +72,15 @@ import torch
 from wide_cli.runtime.backend import Counter, LayerWeights
 from wide_cli.runtime.cpu_attention import attention_decode, attention_prefill
 from wide_cli.runtime.cpu_plan import skip_plan
-from wide_cli.runtime.cpu_proj import Proj, amx_rows, ffn_proj, gemm_k_proj, gemm_mn_proj, grouped_gate_up, zero_skipped
+from wide_cli.runtime.cpu_proj import (
+    Proj,
+    amx_rows,
+    ffn_proj,
+    gemm_k_proj,
+    gemm_mn_proj,
+    grouped_gate_up,
+    zero_skipped,
+)
 
 
 @dataclass
