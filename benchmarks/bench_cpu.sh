@@ -11,7 +11,9 @@
 # DEMO_EXPORT '-' skips the demo run; C05_THREADS=1 limits the cost-0.5 run to one thread (a machine where another job holds a core).
 # SECTIONS=amx runs only the runs of the first section of bench-cpu.md (a CPU with AMX: prefill of
 # 128 / 1,024 / 4,096 tokens, decode batches and llama.cpp on both exports, 1 and 2 threads);
-# SECTIONS=rest the others; the default runs both.
+# SECTIONS=avx512 the same two exports with llama.cpp Q8_0 / Q4_0 beside them (a CPU with AVX-512
+# VNNI / BF16 and no AMX: prefill 128 / 1,024, decode batches of 1, 4 and 16 rows, 1 and 2 threads);
+# SECTIONS=rest the others; the default runs amx and rest.
 # Run it on a quiet machine: the 2-thread rows measure whatever else holds a core.
 set -euo pipefail
 demo=$1
@@ -33,6 +35,14 @@ if [[ $sections == *amx* ]]; then
       --prefill-lengths 128,1024 --decode-batches 1,4,16 --new-tokens 32 --decode-prompt-len 64 --threads 1,2 \
       --json-out "$out/bench-cpu-amx-demo.json"
   fi
+fi
+if [[ $sections == *avx512* ]]; then
+  for e in "$c05:cost05" "$demo:demo"; do
+    [ "${e%%:*}" = "-" ] && continue
+    $wide bench "${e%%:*}" --systems hf,dense,cpu,llama.cpp --weights fp32,bf16,int8,int4 --llama-cpp-types Q8_0,Q4_0 \
+      --prefill-lengths 128,1024 --decode-batches 1,4,16 --new-tokens 32 --decode-prompt-len 64 --threads 1,2 \
+      --json-out "$out/bench-cpu-avx512-${e##*:}.json"
+  done
 fi
 [[ $sections == *rest* ]] || exit 0
 if [ "$demo" != "-" ]; then
