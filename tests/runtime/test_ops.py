@@ -105,6 +105,14 @@ def test_prefill_plan_runs_dense_then_masks_only_above_the_executed_fraction():
     assert cpu_plan.skip_plan(torch.zeros(M, G, dtype=torch.bool))[0] == "none"
 
 
+def test_group_counts_are_the_executing_tokens_of_each_group_over_every_leading_axis():
+    mask = torch.tensor([[[True, False, True], [True, False, False]], [[False, False, True], [True, False, True]]])
+    assert cpu_plan.group_counts(mask) == [3, 0, 3]  # [B, T, H] as a head mask
+    assert cpu_plan.mask_state(mask, cpu_plan.group_counts(mask)) == cpu_plan.mask_state(mask) == "sparse"
+    # a group that no token executes: never dense-then-mask, always gathered on the tiles
+    assert not cpu_plan.dense_then_mask(mask) and cpu_plan.gather_on_tiles(mask.reshape(-1, 3))
+
+
 def test_tiles_gather_below_their_own_executed_fraction_or_when_a_group_is_unused():
     G, M = 10, 40
     mask = torch.zeros(M, G, dtype=torch.bool)

@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from wide_cli.runtime import cpu_amx, ops
-from wide_cli.runtime.cpu_plan import SMALL_M, active_runs, dense_then_mask, mask_state, skip_plan
+from wide_cli.runtime.cpu_plan import (
+    SMALL_M,
+    active_runs,
+    dense_then_mask,
+    group_counts,
+    mask_state,
+    skip_plan,
+)
 
 # Query tokens per attention chunk in routed prefill.
 ATTN_CHUNK = 128
@@ -46,12 +53,13 @@ def attention_prefill(q, k, v, head_mask, *, key_valid=None, q_offset=0, scale, 
     hpk = H // Hkv
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, H_kv, S, d]; views of the cache
     qt = q.transpose(1, 2)  # [B, H, T, d]
-    state = mask_state(head_mask)
+    counts = None if head_mask is None else group_counts(head_mask)  # per head, its executing tokens
+    state = mask_state(head_mask, counts)
     all_valid = key_valid is None or bool(key_valid[:, :S].all())
     causal = all_valid and window is None and q_offset == 0 and S == T
     # Most (token, head) pairs active: one causal SDPA over every head, then the skipped pairs
     # zeroed, beats per-run SDPAs with explicit masks (the projections' rule, cpu_plan).
-    dense_enough = causal and state == "sparse" and dense_then_mask(head_mask)
+    dense_enough = causal and state == "sparse" and dense_then_mask(head_mask, counts)
     if causal and (state == "dense" or dense_enough):
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=hpk > 1)
         if counter is not None:  # causal: query t reads t + 1 keys

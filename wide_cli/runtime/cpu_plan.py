@@ -47,22 +47,30 @@ def active_runs(active: list[bool]) -> list[tuple[int, int]]:
     return runs
 
 
-def dense_then_mask(mask: torch.Tensor, executed: int | None = None) -> bool:
-    """Whether a large call with ``mask [..., G]`` bool (``executed`` = ``mask.sum()`` if known)
-    runs every group for every token and zeroes the skipped pairs: at least
+def group_counts(mask: torch.Tensor) -> list[int]:
+    """Per group of ``mask [..., G]`` bool the number of tokens that execute it (``[G]`` ints):
+    one reduction and one read, from which every question below about a large mask is answered.
+    A routed prefill asks about 8 questions per layer; a ``[128, 12]`` mask took 3.8 us this way
+    against 7.5 us as a ``sum`` and an ``any(0).all()``, each read with ``item`` (1 thread, Xeon)."""
+    return mask.reshape(-1, mask.shape[-1]).sum(0).tolist()
+
+
+def dense_then_mask(mask: torch.Tensor, counts: list[int] | None = None) -> bool:
+    """Whether a large call with ``mask [..., G]`` bool (``counts`` = ``group_counts(mask)`` if
+    known) runs every group for every token and zeroes the skipped pairs: at least
     ``DENSE_MASKED_FRACTION`` of the pairs execute, and every group by some token (otherwise the
     dense GEMM would compute groups no token executes, e.g. a static keep mask, where gathering
     runs the fully used groups as plain GEMMs)."""
-    n = int(mask.sum()) if executed is None else executed
-    return n >= DENSE_MASKED_FRACTION * mask.numel() and bool(mask.reshape(-1, mask.shape[-1]).any(0).all())
+    c = group_counts(mask) if counts is None else counts
+    return sum(c) >= DENSE_MASKED_FRACTION * mask.numel() and min(c) > 0
 
 
 def gather_on_tiles(mask: torch.Tensor) -> bool:
     """Whether a large routed bf16 call with ``mask [M, G]`` runs on the AMX kernels rather than
     as dense GEMMs then the mask: fewer than ``AMX_DENSE_MASKED_FRACTION`` of its pairs execute,
     or some group executes for no token (dense would compute it for nothing)."""
-    n = int(mask.sum())
-    return n < AMX_DENSE_MASKED_FRACTION * mask.numel() or not bool(mask.any(0).all())
+    c = group_counts(mask)
+    return sum(c) < AMX_DENSE_MASKED_FRACTION * mask.numel() or min(c) == 0
 
 
 def skip_plan(mask: torch.Tensor | None) -> tuple[str, list[tuple[int, int]], bool]:
@@ -80,12 +88,13 @@ def skip_plan(mask: torch.Tensor | None) -> tuple[str, list[tuple[int, int]], bo
         return "dense", [], True
     M, G = mask.shape
     if M > SMALL_M:
-        n = int(mask.sum())
+        counts = group_counts(mask)
+        n = sum(counts)
         if n == M * G:
             return "dense", [], True
         if n == 0:
             return "none", [], False
-        return "sparse", ([(0, G)] if dense_then_mask(mask, n) else []), False
+        return "sparse", ([(0, G)] if dense_then_mask(mask, counts) else []), False
     rows = mask.tolist()
     first = rows[0]
     if M == 1:
@@ -101,11 +110,12 @@ def skip_plan(mask: torch.Tensor | None) -> tuple[str, list[tuple[int, int]], bo
     return "sparse", active_runs(any_g), uniform
 
 
-def mask_state(mask: torch.Tensor | None) -> str:
-    """'dense' (None or all execute), 'none' (nothing executes) or 'sparse'."""
+def mask_state(mask: torch.Tensor | None, counts: list[int] | None = None) -> str:
+    """'dense' (None or all execute), 'none' (nothing executes) or 'sparse' (``counts`` =
+    ``group_counts(mask)`` if known)."""
     if mask is None:
         return "dense"
-    n = int(mask.sum())
+    n = int(mask.sum()) if counts is None else sum(counts)
     if n == mask.numel():
         return "dense"
     return "none" if n == 0 else "sparse"

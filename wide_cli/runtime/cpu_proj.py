@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from wide_cli.runtime import cpu_amx, cpu_native, ops
 from wide_cli.runtime.backend import Counter
-from wide_cli.runtime.cpu_plan import SMALL_M, gather_on_tiles, mask_state, skip_plan
+from wide_cli.runtime.cpu_plan import SMALL_M, gather_on_tiles, group_counts, mask_state, skip_plan
 
 
 def _native_gemm_dtypes() -> frozenset:
@@ -157,8 +157,9 @@ class Proj:
         """Count a routed call of the AMX kernels: the multiply-adds of the executed pairs of
         ``mask [M, G]`` (``group_elems`` weights per group) and the bytes of the groups some token
         executes (in the compute dtype, as the PyTorch path counts its slices)."""
-        self.counter.macs += int(mask.sum()) * group_elems
-        self.counter.weight_bytes += int(mask.any(0).sum()) * group_elems * self.dtype.itemsize
+        counts = group_counts(mask)
+        self.counter.macs += sum(counts) * group_elems
+        self.counter.weight_bytes += sum(1 for n in counts if n) * group_elems * self.dtype.itemsize
 
     def rows(self, x: torch.Tensor, r0: int, r1: int, idx: torch.Tensor | None = None) -> torch.Tensor:
         """``x [M, K] -> [M, r1 - r0]``: output rows ``[r0, r1)`` (axis ``n``); with ``idx``
@@ -326,7 +327,7 @@ def ffn_proj(x: torch.Tensor, gu: Proj, down: Proj, mask, plan=None, act: str = 
         y = torch.empty(M, down.N, dtype=torch.float32)
         macs = cpu_amx.ffn(gu.amx(), down.amx(), x, y, mask, act)
         if macs is not None:
-            live = int(mask.any(0).sum())
+            live = sum(1 for n in group_counts(mask) if n)
             gu.counter.macs += macs
             gu.counter.weight_bytes += live * 3 * g * down.N * x.dtype.itemsize
             return y.to(x.dtype)
