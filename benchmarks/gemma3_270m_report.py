@@ -16,11 +16,6 @@ from wide_cli.models.loader import resolve_source
 from wide_cli.runtime.cpu_native import cpu_model
 
 out = Path(sys.argv[1])
-ROWS = [("gemma3-270m", "dense", "gemma3-270m"),
-        ("gemma3-wide", "wide: the recipe (2 layers removed + width routed to 0.85 of dense FLOPs)",
-         "runs/gemma3-wide/export"),
-        ("gemma3-sd", "static depth: 8 layers removed (the first count at or under 0.85 of dense FLOPs) + LoRA",
-         "runs/gemma3-sd/export")]
 
 
 def load(name):
@@ -28,10 +23,42 @@ def load(name):
     return json.loads(p.read_text()) if p.is_file() else None
 
 
+prunes = {slug: load(f"prune-{slug}.json") for slug in ("gemma3-wide", "gemma3-sd")}
+
+
+def fmt_target(rep, default="?"):
+    return f"{rep['settings']['routing']['cost_target']:g}" if rep else default
+
+
+def removed(rep, key):
+    return len(rep["train"][key]["removed"]) if rep and rep["train"].get(key) else None
+
+
+TARGET = fmt_target(prunes["gemma3-wide"], fmt_target(prunes["gemma3-sd"]))
+ROWS = [("gemma3-270m", "dense", "gemma3-270m"),
+        ("gemma3-wide", (f"wide (the recipe's method): {removed(prunes['gemma3-wide'], 'dropped_layers') or 0} layers "
+         f"removed + width routed to {fmt_target(prunes['gemma3-wide'])} of dense FLOPs"), "runs/gemma3-wide/export"),
+        ("gemma3-sd", (f"static depth: {removed(prunes['gemma3-sd'], 'static_depth') or '?'} layers removed (the first "
+         f"count at or under {fmt_target(prunes['gemma3-sd'])} of dense FLOPs) + LoRA"), "runs/gemma3-sd/export")]
+
+
+def data_words(rep) -> str:
+    """The training data of a prune report, as the page names it."""
+    if not rep:
+        return "the recipe's data"
+    d = rep["settings"]["data"]
+    name = "CPython's pydoc topics" if d["train"] == "builtin:pydoc" else f"`{Path(d['train']).name}/`"
+    extra = ["documents shuffled"] if d.get("shuffle_documents") else []
+    if d.get("max_train_tokens"):
+        extra.append(f"at most {d['max_train_tokens']:,} tokens")
+    return name + (f" ({', '.join(extra)})" if extra else "")
+
+
 lines = ["# Gemma 3 270M: dense parity, width routing against static depth, speed", "",
          ("Written by `benchmarks/gemma3_270m_report.py` from the files `benchmarks/gemma3_270m.sh` wrote "
-         "(`benchmarks/gemma3_270m.sh parity wide static-depth quality speed text report`). "
-         f"Machine: {cpu_model() or platform.processor()}, 1 thread per process."), ""]
+         f"(`{'' if (out / 'speed-bf16.json').is_file() else 'SPEED_DTYPES=fp32 '}benchmarks/gemma3_270m.sh parity wide "
+         "static-depth quality speed text report`), "
+         "1 thread per process."), ""]
 
 # where a token's cost goes: the tied head, which no routing touches
 local_dir, _, _ = resolve_source("gemma3-270m")
@@ -65,15 +92,18 @@ for slug, _, _ in ROWS:
         if rep:
             q[kind] = {**rep["rows"][0], "settings": rep.get("settings", {})}
     quality[slug] = q
-speed = {r["name"]: r for r in (load("speed.json") or {"rows": []})["rows"]}
+speed_rep = load("speed.json") or {"rows": []}
+speed = {r["name"]: r for r in speed_rep["rows"]}
+# the CPU the speed files were measured on (older files do not name it: then this machine's, said so)
+speed_cpu = speed_rep.get("cpu") or f"not recorded (this page was written on {cpu_model() or platform.processor()})"
 speed_bf16 = {r["name"]: r for r in (load("speed-bf16.json") or {"rows": []})["rows"]}
-prunes = {slug: load(f"prune-{slug}.json") for slug, _, _ in ROWS[1:]}
 
 if any(quality.values()) or speed:
-    lines += ["## Dense, wide and static depth at one FLOPs target (0.85 of dense)", "",
+    lines += [f"## Dense, wide and static depth at one FLOPs target ({TARGET} of dense)", "",
               ("| model | FLOPs of dense | WikiText-2 ppl | task avg % | decode x dense (fp32) | prefill x dense "
-               "(fp32) | decode x dense (bf16) | prefill x dense (bf16) | held-out ppl (recipe data) | training |"),
-              "|---|---|---|---|---|---|---|---|---|---|"]
+               "(fp32) | " + ("decode x dense (bf16) | prefill x dense (bf16) | " if speed_bf16 else "")
+               + "held-out ppl (training data) | training |"),
+              "|---|---|---|---|---|---|" + ("---|---|" if speed_bf16 else "") + "---|---|"]
     task_names = []
     for slug, label, target in ROWS:
         q = quality[slug]
@@ -90,8 +120,9 @@ if any(quality.values()) or speed:
         lines.append(f"| {label} | {flops.get('relative', 1.0):.3f} | {'-' if wt is None else f'{wt:.2f}'} | "
                      f"{'-' if not tasks else f'{100 * sum(tasks.values()) / len(tasks):.2f}'} | "
                      f"{sp.get('decode_speedup', float('nan')):.2f} | {sp.get('prefill_speedup', float('nan')):.2f} | "
-                     f"{sb.get('decode_speedup', float('nan')):.2f} | {sb.get('prefill_speedup', float('nan')):.2f} | "
-                     f"{held} | {train} |")
+                     + (f"{sb.get('decode_speedup', float('nan')):.2f} | {sb.get('prefill_speedup', float('nan')):.2f} | "
+                        if speed_bf16 else "")
+                     + f"{held} | {train} |")
     if task_names:
         lines += ["", "| model | " + " | ".join(task_names) + " |", "|---|" + "---|" * len(task_names)]
         for slug, label, _ in ROWS:
@@ -105,9 +136,11 @@ if any(quality.values()) or speed:
               f"the seven tasks (acc_norm where lm-eval reports it) on their first {limit} items each; bf16. "
               "Speed: `wide compare`'s protocol (the runtime's native decode step, 1 thread, batch 1 after a "
               "64-token prompt, 64 new tokens; prefill of 1,024 tokens; round-robin, median of 5 rounds, dense "
-              "first in the same run), once in fp32 and once in bf16 (another run). Training: both runs use the "
-              "recipe's data (CPython's pydoc topics), 4 x 256 tokens per step, distillation to the dense "
-              "model; wide trains routers, stand-ins and LoRA together, static depth trains LoRA."), ""]
+              f"first in the same run), in fp32" + (" and once in bf16 (another run)" if speed_bf16 else "")
+              + f", on {speed_cpu}. Training: both runs on "
+              f"{data_words(prunes['gemma3-wide'] or prunes['gemma3-sd'])}, 4 x 256 tokens per step, distillation "
+              "to the dense model; wide trains routers, stand-ins and LoRA together (the recipe `gemma3-270m-cpu`, "
+              "its data and cost target as above), static depth trains LoRA."), ""]
 
 if speed and all(quality[slug].get("wikitext") for slug, _, _ in ROWS):
     def num(slug, target):
@@ -116,15 +149,21 @@ if speed and all(quality[slug].get("wikitext") for slug, _, _ in ROWS):
 
     (d_wt, _, _), (w_wt, w_dec, w_pre), (s_wt, s_dec, s_pre) = (num(slug, t) for slug, _, t in ROWS)
     ahead = "ahead of" if w_pre > s_pre else "behind"
+    if w_wt < s_wt and w_dec >= s_dec - 0.03:
+        verdict = ("Width routing pays here: a lower perplexity than static depth at no less measured decode "
+                   "speed (within 0.03x or faster).")
+    elif w_wt < s_wt:
+        verdict = ("wide has the lower perplexity but decodes slower than static depth: the two are not at equal "
+                   "measured speed, so this table does not show width routing paying on this model.")
+    else:
+        verdict = ("Width routing does not pay on this model at this budget: static depth has the lower or equal "
+                   "perplexity" + (" and decodes faster." if s_dec > w_dec else "."))
     lines += [(f"What this run shows: at batch-1 decode (fp32) the routed model runs {w_dec:.2f}x dense against "
-               f"{s_dec:.2f}x for static depth: the tied head, read whole at every step, is most of a token's "
-               "bytes, and removing 8 layers saves more of the rest than routing does. At a 1,024-token prefill "
-               f"it is {ahead} static depth, {w_pre:.2f}x against {s_pre:.2f}x. Both lose most of the dense "
-               f"model's quality at this training budget: WikiText-2 {w_wt:.0f} (wide) and {s_wt:.0f} (static "
-               f"depth) against {d_wt:.0f} dense, while their perplexity on the recipe's own held-out text drops "
-               "below the dense model's: 120 steps on pydoc text fit that text and do not heal the removed "
-               "layers for general text. Their greedy continuations below are repetitive. Width routing does "
-               "not pay on this model at this budget."), ""]
+               f"{s_dec:.2f}x for static depth (the tied head, which no routing touches, is read whole at every "
+               f"step); at a 1,024-token prefill it is {ahead} static depth, {w_pre:.2f}x against {s_pre:.2f}x. "
+               f"WikiText-2: {w_wt:.1f} wide ({w_wt / d_wt:.2f}x dense) and {s_wt:.1f} static depth "
+               f"({s_wt / d_wt:.2f}x) against {d_wt:.1f} dense. {verdict}"), ""]
+
 
 slow = [label.split(":")[0] for slug, label, target in ROWS[1:]
         if speed_bf16.get(target, {}).get("decode_speedup", 1.0) < 1.0]
@@ -145,5 +184,8 @@ if text:
     lines.append("")
 
 page = "\n".join(lines).rstrip() + "\n"
-(out.parent / "gemma3-270m.md").write_text(page)
+dest = out.parent / "gemma3-270m.md"
+tmp = dest.with_suffix(".md.tmp")
+tmp.write_text(page)
+tmp.replace(dest)
 print(page)

@@ -9,8 +9,11 @@ python benchmarks/speed_round_robin.py TARGETS.json OUT.json [--dtype fp32|bf16]
 
 import argparse
 import json
+import os
+import platform
 
 from wide_cli.eval.compare import SpeedConfig, measure_speed, speed_key
+from wide_cli.runtime.cpu_native import cpu_model
 
 ap = argparse.ArgumentParser()
 ap.add_argument("report")
@@ -18,7 +21,8 @@ ap.add_argument("out")
 ap.add_argument("--dtype", default=None)
 ap.add_argument("--repeats", type=int, default=3)
 args = ap.parse_args()
-rep = json.load(open(args.report))
+with open(args.report) as f:
+    rep = json.load(f)
 targets = [r["name"] for r in rep["rows"]]
 formats = [r.get("weights") for r in rep["rows"]]
 cfg = SpeedConfig(repeats=args.repeats, dtype=args.dtype)
@@ -34,7 +38,11 @@ for r in rep["rows"]:
                    "decode_speedup_before": r.get("decode_speedup"), "prefill_speedup_before": r.get("prefill_speedup"),
                    "decode_tokens_per_s": s["decode_tokens_per_s"], "prefill_tokens_per_s": s["prefill_tokens_per_s"],
                    "sparsity": s["sparsity"], "decode_seconds": s["decode_seconds"]})
-json.dump({"settings": cfg.__dict__, "rows": rows}, open(args.out, "w"), indent=2)
+# the machine beside its numbers: the same code ran ~2x apart on two CPUs of one kind; temp file + rename
+tmp = args.out + ".tmp"
+with open(tmp, "w") as f:
+    json.dump({"settings": cfg.__dict__, "cpu": cpu_model() or platform.processor(), "rows": rows}, f, indent=2)
+os.replace(tmp, args.out)
 for r in rows:
     print(f"{r['label'] or r['name']:40s} ppl {r['wikitext_ppl'] or 0:8.1f}  decode x {r['decode_speedup']:.2f} "
           f"(was {r['decode_speedup_before'] or 0:.2f})  prefill x {r['prefill_speedup']:.2f}")
