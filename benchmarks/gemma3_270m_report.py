@@ -139,8 +139,8 @@ if any(quality.values()) or speed:
               f"first in the same run), in fp32" + (" and once in bf16 (another run)" if speed_bf16 else "")
               + f", on {speed_cpu}. Training: both runs on "
               f"{data_words(prunes['gemma3-wide'] or prunes['gemma3-sd'])}, 4 x 256 tokens per step, distillation "
-              "to the dense model; wide trains routers, stand-ins and LoRA together (the recipe `gemma3-270m-cpu`, "
-              "its data and cost target as above), static depth trains LoRA."), ""]
+              "to the dense model; wide trains routers, stand-ins and LoRA together (the recipe `gemma3-270m-cpu` "
+              "with the data and cost target above in place of its own), static depth trains LoRA."), ""]
 
 if speed and all(quality[slug].get("wikitext") for slug, _, _ in ROWS):
     def num(slug, target):
