@@ -69,7 +69,7 @@
 #define WIDE_I4_SIMD 1 /* the int4 x int8 kernel (32-byte vectors; vpdpbusd where AVX512-VNNI/VL is) */
 #endif
 
-#define WIDE_DECODE_ABI 13
+#define WIDE_DECODE_ABI 14
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_I8 = 2, FMT_I4 = 3 };
 /* The step's counters (cnt[]): executed weight, attention and router multiply-adds, weight bytes
@@ -1904,8 +1904,8 @@ int64_t wide_gemm(WCtx *c, int64_t fmt, int64_t ofmt, int64_t layout, const void
 
 /* The elementwise pieces of a bf16 prefill layer (wide_rms_norm_rows, wide_rope_rows, wide_residual_rows). */
 #include "cpu_prefill_ops.c"
-/* Routed prefill on AMX tiles (wide_amx_ready, wide_amx_proj, wide_amx_ffn, wide_amx_attention). */
-#include "cpu_prefill_amx.c"
+/* Routed prefill on AMX tiles (wide_amx_ready, wide_gather_proj, wide_gather_ffn, wide_gather_attention). */
+#include "cpu_prefill_gather.c"
 
 /* Which vector code wide_gemm runs here: 2 AVX-512, 1 AVX2 + FMA, 0 the portable C twin. */
 int64_t wide_gemm_simd(void) {

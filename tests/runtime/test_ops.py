@@ -109,8 +109,8 @@ def test_group_counts_are_the_executing_tokens_of_each_group_over_every_leading_
     mask = torch.tensor([[[True, False, True], [True, False, False]], [[False, False, True], [True, False, True]]])
     assert cpu_plan.group_counts(mask) == [3, 0, 3]  # [B, T, H] as a head mask
     assert cpu_plan.mask_state(mask, cpu_plan.group_counts(mask)) == cpu_plan.mask_state(mask) == "sparse"
-    # a group that no token executes: never dense-then-mask, always gathered on the tiles
-    assert not cpu_plan.dense_then_mask(mask) and cpu_plan.gather_on_tiles(mask.reshape(-1, 3))
+    # a group that no token executes: never dense-then-mask, always gathered by the native kernels
+    assert not cpu_plan.dense_then_mask(mask) and cpu_plan.gather_pays(mask.reshape(-1, 3))
 
 
 def test_tiles_gather_below_their_own_executed_fraction_or_when_a_group_is_unused():
@@ -118,12 +118,12 @@ def test_tiles_gather_below_their_own_executed_fraction_or_when_a_group_is_unuse
     mask = torch.zeros(M, G, dtype=torch.bool)
     k = int(cpu_plan.AMX_DENSE_MASKED_FRACTION * M * G)
     mask.view(-1)[:k] = True  # every group used by some token
-    assert not cpu_plan.gather_on_tiles(mask)
+    assert not cpu_plan.gather_pays(mask)
     mask.view(-1)[k - 1] = False
-    assert cpu_plan.gather_on_tiles(mask)
+    assert cpu_plan.gather_pays(mask)
     full_but_one = torch.ones(M, G, dtype=torch.bool)
     full_but_one[:, 3] = False  # 0.9 of the pairs, but group 3 runs for no token
-    assert cpu_plan.gather_on_tiles(full_but_one)
+    assert cpu_plan.gather_pays(full_but_one)
 
 
 @pytest.mark.parametrize("p", [0.5, 0.9])  # 0.9 on 129 tokens: the dense GEMMs, then the mask

@@ -5,11 +5,12 @@ Tolerances: both sides of a bf16/int8 comparison compute with bf16 activations (
 bits: every rounding is off by up to 2^-9 relative), in a different order (fused QKV, per-group
 GEMMs, the int8 kernel's per-group bf16 outputs summed in fp32 vs one bf16 GEMM). On these 2-layer
 tiny models that reaches ~1 % of the logit range (HF's own bf16 model is 1.6 % off its fp32
-logits on the same models); atol is 3 % of the range. The int8 reference runs the very same int8
-values (``fake_quantize``: dequantized weights), so the tolerance covers only activation rounding,
-not quantization error; int4 likewise, with 4 %: where a batch-1 step runs natively, its int4 x int8
-kernel rounds the activations to int8 per block of 32 (as the int8 one does), which on these
-2-layer random models reached 2.7 % (int8) and 3.3 % (int4) of the largest logit.
+logits on the same models); atol is 3 % of the range for bf16. The int8 reference runs the very
+same int8 values (``fake_quantize``: dequantized weights), so the tolerance covers only activation
+rounding, not quantization error; int8 and int4 get 4 %: where a decode step runs natively, its
+int8 / int4 x int8 kernels round the activations to int8 per block of 32, which on these 2-layer
+random models reached 3.1 % (int8) and 3.3 % (int4) of the largest logit, with the prefill's
+projections on PyTorch or on the gather kernels alike.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ from wide_cli.quant import (
 from wide_cli.runtime.engine import Runtime
 
 REL_ATOL = 0.03
-INT4_REL_ATOL = 0.04
+INT_REL_ATOL = 0.04  # int8 and int4 (see above)
 
 
 def rel_atol(fmt: str) -> float:
     """The relative logit tolerance of a low-precision format (see the module docstring)."""
-    return INT4_REL_ATOL if fmt == "int4" else REL_ATOL
+    return INT_REL_ATOL if fmt in ("int8", "int4") else REL_ATOL
 
 
 def _prompts(lengths, seed=7):

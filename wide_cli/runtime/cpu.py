@@ -38,13 +38,16 @@ Two ways to skip, chosen by the number of tokens ``M`` in the call:
   token, runs the dense GEMMs and zeroes the skipped pairs instead: the gathered GEMMs cost more
   than the few skipped pairs save.
 
-On a CPU with AMX (``cpu_amx.ready``), a routed bf16 prefill call (Q, O, the gated FFN, causal
-attention) runs as one native call per module on the tiles instead (``kernels/cpu_prefill_amx.c``):
-weights packed once per process, each group's tokens gathered inside the kernel, the FFN's
-intermediate activations kept per group; it gathers below ``cpu_plan.AMX_DENSE_MASKED_FRACTION``
-(90 %) of the pairs and otherwise runs PyTorch's dense GEMMs and the mask. There bf16 prefill's
-RMSNorm, RoPE and residual + stand-ins run natively too (``runtime/cpu_prefill.py``).
-``WIDE_CPU_AMX=0`` keeps every call on the paths of this module.
+On a CPU with AMX or AVX512-BF16 (``cpu_gather.isa``), a routed bf16 prefill call (Q, O, the
+gated FFN, causal attention) runs as one native call per module instead
+(``kernels/cpu_prefill_gather.c``): weights packed once per process, each group's tokens gathered
+inside the kernel, the FFN's intermediate activations kept per group. On AMX it gathers below
+``cpu_plan.AMX_DENSE_MASKED_FRACTION`` (90 %) of the pairs and otherwise runs PyTorch's dense
+GEMMs (oneDNN on the tiles) and the mask; with AVX512-BF16 only it gathers whenever a pair is
+skipped, and runs the dense FFN too, where it measured faster than oneDNN
+(``cpu_plan.VDP_DENSE_MASKED_FRACTION``). There bf16 prefill's RMSNorm, RoPE and residual +
+stand-ins run natively too (``runtime/cpu_prefill.py``). ``WIDE_CPU_GATHER=off`` keeps every call
+on the paths of this module.
 
 Attention prefill runs, per row and head group, only the executing query tokens, in chunks whose
 key range ends at the chunk's last query (so causal work is not wasted), or, as the projections
@@ -74,8 +77,8 @@ from wide_cli.runtime.cpu_attention import attention_decode, attention_prefill
 from wide_cli.runtime.cpu_plan import skip_plan
 from wide_cli.runtime.cpu_proj import (
     Proj,
-    amx_rows,
     ffn_proj,
+    gather_rows,
     gemm_k_proj,
     gemm_mn_proj,
     grouped_gate_up,
@@ -166,7 +169,7 @@ class CpuBackend:
         # Dense, or a call whose routed Q runs dense then masks (cpu_plan): one GEMM for Q, K and V
         # (with Q apart from K / V, a SmolLM2-135M prefill of 128 tokens spent 113.6 ms in its GEMMs
         # against 107.2 ms dense: bf16, 1 thread, 7 % of the pairs skipped)
-        masked = plan[0] == "sparse" and plan[1] == [(0, mask.shape[1])] and not amx_rows(p.qkv, x, mask, p.attn_cols)
+        masked = plan[0] == "sparse" and plan[1] == [(0, mask.shape[1])] and not gather_rows(p.qkv, x, mask, p.attn_cols)
         if plan[0] == "dense" or masked:
             qkv = p.qkv.rows(x, 0, p.qkv.N)
             if p.bqkv is not None:

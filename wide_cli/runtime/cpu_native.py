@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 
 SOURCE_NAME = "cpu_decode.c"
 # Sources the main one includes (one translation unit): part of the build key.
-INCLUDED_SOURCES = ("cpu_prefill_amx.c", "cpu_prefill_ops.c")
-ABI = 13
+INCLUDED_SOURCES = ("cpu_prefill_gather.c", "cpu_prefill_ops.c")
+ABI = 14
 #: Rows of one native step (the C WIDE_MAX_BATCH: a group's rows are one 64-bit set).
 MAX_BATCH = 64
 FMT_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -209,20 +209,21 @@ def load(path: Path) -> ctypes.CDLL:
     lib.wide_ctx_free.argtypes = [_P]
     lib.wide_gemm_simd.restype = _I64
     lib.wide_amx_ready.restype = _I64
-    lib.wide_amx_proj.restype = _I64
-    lib.wide_amx_proj.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _I64, _I64, _P,
-                                  _I64]  # fmt: skip
+    lib.wide_vdp_ready.restype = _I64
+    lib.wide_gather_proj.restype = _I64
+    lib.wide_gather_proj.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _I64, _I64, _P,
+                                  _I64, _I64]  # fmt: skip
     lib.wide_rms_norm_rows.restype = _I64
     lib.wide_rms_norm_rows.argtypes = [_P, _P, _I64, _I64, _I64, _P, _I64, ctypes.c_float, _P, _I64, _I64]
     lib.wide_rope_rows.restype = _I64
     lib.wide_rope_rows.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _P, _P, _I64]
     lib.wide_residual_rows.restype = _I64
     lib.wide_residual_rows.argtypes = [_P, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64]
-    lib.wide_amx_attention.restype = _I64
-    lib.wide_amx_attention.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64,
-                                       _I64, _I64, _P, ctypes.c_float, _P, _P, _P, _I64]  # fmt: skip
-    lib.wide_amx_ffn.restype = _I64
-    lib.wide_amx_ffn.argtypes = [_P, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64]
+    lib.wide_gather_attention.restype = _I64
+    lib.wide_gather_attention.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64,
+                                       _I64, _I64, _P, ctypes.c_float, _P, _P, _P, _I64, _I64]  # fmt: skip
+    lib.wide_gather_ffn.restype = _I64
+    lib.wide_gather_ffn.argtypes = [_P, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64]
     return lib
 
 

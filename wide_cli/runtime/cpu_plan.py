@@ -25,12 +25,19 @@ SMALL_M = 16
 # a line through those crosses dense at about 0.8.
 DENSE_MASKED_FRACTION = 0.8
 
-# The same choice for the AMX prefill kernels (``cpu_amx``, bf16), which gather inside one native
+# The same choice for the AMX prefill kernels (``cpu_gather``, bf16), which gather inside one native
 # call and so cost little more than their executed multiply-adds: the routed gated FFN took 1.10x
 # PyTorch's dense bf16 GEMMs (oneDNN, also on the tiles) with every pair executed, and 0.63x at
 # half of them (SmolLM2-135M FFN shapes, 256 tokens, 1 thread, Xeon with AMX); a line through
 # those crosses dense at about 0.9.
 AMX_DENSE_MASKED_FRACTION = 0.9
+
+# The same kernels on AVX512-BF16 (vdpbf16ps, CPUs without AMX) ran as fast as PyTorch's dense
+# bf16 GEMMs (oneDNN) with every pair executed, and faster at any skipped pair: the routed gated FFN
+# 1.08x / 1.26x dense at 128 / 1,024 tokens with all pairs, 1.17x / 1.34x at 0.9 of them; Q-shaped
+# and O-shaped projections 0.95-1.01x with all pairs, 1.19-1.23x at 0.8 (SmolLM2-135M shapes,
+# 1 thread, AMD EPYC Zen 4). So they gather whenever a pair is skipped.
+VDP_DENSE_MASKED_FRACTION = 1.0
 
 
 def active_runs(active: list[bool]) -> list[tuple[int, int]]:
@@ -65,12 +72,14 @@ def dense_then_mask(mask: torch.Tensor, counts: list[int] | None = None) -> bool
     return sum(c) >= DENSE_MASKED_FRACTION * mask.numel() and min(c) > 0
 
 
-def gather_on_tiles(mask: torch.Tensor) -> bool:
-    """Whether a large routed bf16 call with ``mask [M, G]`` runs on the AMX kernels rather than
-    as dense GEMMs then the mask: fewer than ``AMX_DENSE_MASKED_FRACTION`` of its pairs execute,
-    or some group executes for no token (dense would compute it for nothing)."""
+def gather_pays(mask: torch.Tensor, tiles: bool = True) -> bool:
+    """Whether a large routed bf16 call with ``mask [M, G]`` runs on the gather kernels
+    (``cpu_gather``; ``tiles``: on AMX, else on AVX512-BF16) rather than as dense GEMMs then the
+    mask: fewer than ``AMX_DENSE_MASKED_FRACTION`` (``VDP_DENSE_MASKED_FRACTION``) of its pairs
+    execute, or some group executes for no token (dense would compute it for nothing)."""
     c = group_counts(mask)
-    return sum(c) < AMX_DENSE_MASKED_FRACTION * mask.numel() or min(c) == 0
+    frac = AMX_DENSE_MASKED_FRACTION if tiles else VDP_DENSE_MASKED_FRACTION
+    return sum(c) < frac * mask.numel() or min(c) == 0
 
 
 def skip_plan(mask: torch.Tensor | None) -> tuple[str, list[tuple[int, int]], bool]:

@@ -11,9 +11,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from wide_cli.runtime import cpu_amx, cpu_native, ops
+from wide_cli.runtime import cpu_gather, cpu_native, ops
 from wide_cli.runtime.backend import Counter
-from wide_cli.runtime.cpu_plan import SMALL_M, gather_on_tiles, group_counts, mask_state, skip_plan
+from wide_cli.runtime.cpu_plan import SMALL_M, gather_pays, group_counts, mask_state, skip_plan
 
 
 def _native_gemm_dtypes() -> frozenset:
@@ -44,9 +44,10 @@ def _native_dtypes() -> frozenset:
 
 def prefill_path(dtype: torch.dtype, routed: bool = False) -> str:
     """Which code runs the cpu backend's prefill projections in compute dtype ``dtype`` (of a
-    routed model when ``routed``): ``native`` (``cpu_native.gemm``, or the AMX tile kernels of
-    ``cpu_amx`` for the routed modules in bf16) or ``torch``."""
-    if routed and dtype == torch.bfloat16 and cpu_amx.ready():
+    routed model when ``routed``): ``native`` (``cpu_native.gemm``, or the gather kernels of
+    ``cpu_gather`` in bf16: for the routed modules, and on AVX512-BF16 without AMX for the dense
+    FFN too) or ``torch``."""
+    if dtype == torch.bfloat16 and (cpu_gather.isa() == cpu_gather.ISA_VDP or (routed and cpu_gather.ready())):
         return "native"
     return "native" if dtype in _native_dtypes() and cpu_native.gemm_library() is not None else "torch"
 
@@ -106,7 +107,7 @@ class Proj:
         self.g = g
         self.dtype = dtype
         self._v: dict = {}
-        self._amx = None  # the tile-packed copy (cpu_amx), made on first use; False: none
+        self._packed = None  # the tile-packed copy (cpu_gather), made on first use; False: none
         if self.quantized:
             check_quant_width(self.K if axis == "n" else g, what, fmt)
             q, s = quantize(w, fmt)  # int8 [N, K] or int4 packed uint8 [N, K / 2]; [N, K / 32]
@@ -138,20 +139,20 @@ class Proj:
         ts = (self.q, self.s) if self.quantized else (self.w if self.axis == "n" else self.w_t,)
         return sum(t.numel() * t.element_size() for t in ts)
 
-    def amx(self) -> torch.Tensor | None:
-        """The bf16 weights packed for the AMX prefill kernels (``cpu_amx.pack_rows`` for axis
-        ``n``, ``cpu_amx.pack_groups`` for axis ``k``), packed on the first call of a process that
+    def packed(self) -> torch.Tensor | None:
+        """The bf16 weights packed for the AMX prefill kernels (``cpu_gather.pack_rows`` for axis
+        ``n``, ``cpu_gather.pack_groups`` for axis ``k``), packed on the first call of a process that
         can run them (a bf16 copy beside the projection's weights: the PyTorch path and the decode
         step keep reading those); None where they do not run: no AMX, fp32, or a width off the
         tile multiples (16 rows, 32 reduction channels)."""
-        if self._amx is None:
-            self._amx = False
-            if self.dtype == torch.bfloat16 and cpu_amx.ready():
+        if self._packed is None:
+            self._packed = False
+            if self.dtype == torch.bfloat16 and cpu_gather.ready():
                 try:
-                    self._amx = cpu_amx.pack_rows(self.w) if self.axis == "n" else cpu_amx.pack_groups(self.w_t, self.g)
+                    self._packed = cpu_gather.pack_rows(self.w) if self.axis == "n" else cpu_gather.pack_groups(self.w_t, self.g)
                 except ValueError:
                     pass
-        return self._amx if self._amx is not False else None
+        return self._packed if self._packed is not False else None
 
     def count_routed(self, mask: torch.Tensor, group_elems: int) -> None:
         """Count a routed call of the AMX kernels: the multiply-adds of the executed pairs of
@@ -210,16 +211,25 @@ def zero_skipped(t: torch.Tensor, mask: torch.Tensor, g: int) -> torch.Tensor:
     return t
 
 
-def _amx_routed(p: Proj, a: torch.Tensor, mask: torch.Tensor) -> bool:
-    """Whether a routed prefill call on ``p`` runs on the AMX kernels (``cpu_amx``): bf16
+def _gather_routed(p: Proj, a: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether a routed prefill call on ``p`` runs on the AMX kernels (``cpu_gather``): bf16
     activations, no byte tracing (the kernels do not report spans), a packed copy of ``p``, and a
-    mask sparse enough to gain from gathering (``cpu_plan.gather_on_tiles``)."""
-    return a.dtype == torch.bfloat16 and p.counter.trace is None and p.amx() is not None and gather_on_tiles(mask)
+    mask sparse enough to gain from gathering (``cpu_plan.gather_pays``)."""
+    return (a.dtype == torch.bfloat16 and p.counter.trace is None and p.packed() is not None
+            and gather_pays(mask, cpu_gather.isa() == cpu_gather.ISA_AMX))  # fmt: skip
 
 
-def amx_rows(p: Proj, a: torch.Tensor, mask: torch.Tensor, g: int) -> bool:
+def _vdp_dense(p: Proj, a: torch.Tensor) -> bool:
+    """Whether a dense bf16 FFN call on ``p`` runs on the gather kernels: on AVX512-BF16 without
+    AMX, where the fused FFN kernel ran 1.08-1.26x PyTorch's dense GEMMs (``cpu_plan``'s
+    measurements; on AMX, oneDNN's tiles stay)."""
+    return (a.dtype == torch.bfloat16 and p.counter.trace is None and cpu_gather.isa() == cpu_gather.ISA_VDP
+            and p.packed() is not None)  # fmt: skip
+
+
+def gather_rows(p: Proj, a: torch.Tensor, mask: torch.Tensor, g: int) -> bool:
     """Whether ``gemm_mn_proj(a [M, K], p, mask [M, G], g)`` runs on the AMX kernels."""
-    return a.shape[0] > SMALL_M and g % cpu_amx.TILE_N == 0 and _amx_routed(p, a, mask)
+    return a.shape[0] > SMALL_M and g % cpu_gather.TILE_N == 0 and _gather_routed(p, a, mask)
 
 
 def gemm_mn_proj(a: torch.Tensor, p: Proj, mask, group_size: int, bias=None, plan=None) -> torch.Tensor:
@@ -234,8 +244,8 @@ def gemm_mn_proj(a: torch.Tensor, p: Proj, mask, group_size: int, bias=None, pla
     out = torch.zeros(M, N, dtype=a.dtype, device=a.device)
     if state == "none":
         return out
-    amx = amx_rows(p, a, mask, g)
-    if amx and cpu_amx.rows(p.amx()[: N // cpu_amx.TILE_N], a, out, mask, g, bias):
+    amx = gather_rows(p, a, mask, g)
+    if amx and cpu_gather.rows(p.packed()[: N // cpu_gather.TILE_N], a, out, mask, g, bias):
         p.count_routed(mask, g * p.K)
         return out
     if runs == [(0, N // g)]:  # union is everything, or a dense enough prefill: dense GEMM, then mask
@@ -274,9 +284,9 @@ def gemm_k_proj(a: torch.Tensor, p: Proj, mask, bias=None, plan=None) -> torch.T
         out.add_(bias)
     if state == "none":
         return out.to(a.dtype)
-    if state == "sparse" and M > SMALL_M and _amx_routed(p, a, mask):
+    if state == "sparse" and M > SMALL_M and _gather_routed(p, a, mask):
         out = out if out.dtype == torch.float32 else out.float()
-        if cpu_amx.acc(p.amx(), a, out, mask):
+        if cpu_gather.acc(p.packed(), a, out, mask):
             p.count_routed(mask, g * p.N)
             return out.to(a.dtype)
     if state == "dense":
@@ -323,9 +333,16 @@ def ffn_proj(x: torch.Tensor, gu: Proj, down: Proj, mask, plan=None, act: str = 
     G = down.K // g
     M = x.shape[0]
     state, runs, uniform = plan or skip_plan(mask)
-    if state == "sparse" and M > SMALL_M and _amx_routed(gu, x, mask) and _amx_routed(down, x, mask):
+    if state == "dense" and M > SMALL_M and _vdp_dense(gu, x) and _vdp_dense(down, x):
         y = torch.empty(M, down.N, dtype=torch.float32)
-        macs = cpu_amx.ffn(gu.amx(), down.amx(), x, y, mask, act)
+        macs = cpu_gather.ffn(gu.packed(), down.packed(), x, y, None, act)
+        if macs is not None:
+            gu.counter.macs += macs
+            gu.counter.weight_bytes += G * 3 * g * down.N * x.dtype.itemsize
+            return y.to(x.dtype)
+    if state == "sparse" and M > SMALL_M and _gather_routed(gu, x, mask) and _gather_routed(down, x, mask):
+        y = torch.empty(M, down.N, dtype=torch.float32)
+        macs = cpu_gather.ffn(gu.packed(), down.packed(), x, y, mask, act)
         if macs is not None:
             live = sum(1 for n in group_counts(mask) if n)
             gu.counter.macs += macs

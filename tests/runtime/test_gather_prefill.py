@@ -1,9 +1,9 @@
-"""The AMX prefill kernels (``runtime/cpu_amx.py``, ``kernels/cpu_prefill_amx.c``): the tile
-packing against its definition (everywhere), the kernels against fp32 products of the same bf16
-operands, and the cpu backend's prefill on them against the reference backend (on CPUs with AMX;
-elsewhere those skip with the reason).
+"""The gather prefill kernels (``runtime/cpu_gather.py``, ``kernels/cpu_prefill_gather.c``): the
+tile packing against its definition (everywhere), the kernels against fp32 products of the same
+bf16 operands, and the cpu backend's prefill on them against the reference backend, once per ISA
+(AMX tiles, AVX512-BF16; each skips with the reason on a CPU without it).
 
-Tolerances: bf16 operands are exact in fp32 and the tiles accumulate in fp32, so a kernel's fp32
+Tolerances: bf16 operands are exact in fp32 and both ISAs accumulate in fp32, so a kernel's fp32
 output differs from the fp32 product by summation order (1e-5 of the output range); the FFN rounds
 its gated activations to bf16 as the reference does, where a different exp can round the other
 way (2 ** -7 of the range).
@@ -14,19 +14,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wide_cli.runtime import cpu_amx, cpu_proj
+from wide_cli.runtime import cpu_gather, cpu_proj
 from wide_cli.runtime.engine import Runtime
 
 
-def _need_amx():
-    if not cpu_amx.ready():
-        pytest.skip("this CPU (or OS) does not run AMX-BF16 tiles: the cpu backend's prefill runs its other paths")
+@pytest.fixture(params=["amx", "avx512"])
+def gather_isa(request, monkeypatch):
+    """Each ISA of the kernels in turn (``WIDE_CPU_GATHER``), skipped where this CPU lacks it."""
+    monkeypatch.setenv("WIDE_CPU_GATHER", request.param)
+    cpu_gather.isa.cache_clear()
+    if not cpu_gather.ready():
+        cpu_gather.isa.cache_clear()
+        pytest.skip(f"this CPU (or OS) does not run the {request.param} kernels: the cpu backend's prefill runs other paths")
+    yield request.param
+    cpu_gather.isa.cache_clear()
 
 
 def test_pack_rows_is_the_tile_layout():
     N, K = 32, 64
     w = (torch.arange(N * K, dtype=torch.float32).reshape(N, K) % 251).to(torch.bfloat16)  # exact in bf16
-    P = cpu_amx.pack_rows(w)
+    P = cpu_gather.pack_rows(w)
     assert P.shape == (2, 2, 16, 16, 2) and P.dtype == torch.bfloat16 and P.is_contiguous()
     for nb, kb, kp, c, p in [(0, 0, 0, 0, 0), (1, 1, 15, 15, 1), (0, 1, 3, 7, 1), (1, 0, 9, 2, 0)]:
         assert P[nb, kb, kp, c, p] == w[16 * nb + c, 32 * kb + 2 * kp + p]
@@ -35,18 +42,18 @@ def test_pack_rows_is_the_tile_layout():
 def test_pack_groups_packs_each_reduction_group_as_rows():
     K, N, g = 96, 16, 32
     w_t = (torch.arange(K * N, dtype=torch.float32).reshape(K, N) % 241).to(torch.bfloat16)
-    P = cpu_amx.pack_groups(w_t, g)
+    P = cpu_gather.pack_groups(w_t, g)
     assert P.shape == (3, 1, 1, 16, 16, 2)
     for j in range(3):
-        assert torch.equal(P[j], cpu_amx.pack_rows(w_t[j * g : (j + 1) * g].t().contiguous()))
+        assert torch.equal(P[j], cpu_gather.pack_rows(w_t[j * g : (j + 1) * g].t().contiguous()))
 
 
 @pytest.mark.parametrize("shape", [(24, 64), (32, 48)])
 def test_packing_refuses_widths_off_the_tiles(shape):
-    with pytest.raises(ValueError, match="AMX packing needs"):
-        cpu_amx.pack_rows(torch.zeros(shape))
-    with pytest.raises(ValueError, match="AMX packing needs"):
-        cpu_amx.pack_groups(torch.zeros(shape[1], shape[0]), 32)
+    with pytest.raises(ValueError, match="tile packing needs"):
+        cpu_gather.pack_rows(torch.zeros(shape))
+    with pytest.raises(ValueError, match="tile packing needs"):
+        cpu_gather.pack_groups(torch.zeros(shape[1], shape[0]), 32)
 
 
 def _mask(M, G, p, seed):
@@ -62,8 +69,7 @@ def _expand(mask, M, G, g):
 @pytest.mark.parametrize("M", [17, 32, 100, 300])
 @pytest.mark.parametrize("p", [None, 0.0, 0.4, 1.0])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_routed_rows_match_the_masked_product(M, p, out_dtype):
-    _need_amx()
+def test_routed_rows_match_the_masked_product(M, p, out_dtype, gather_isa):
     G, g, K = 3, 48, 96  # a group of 48 rows: one 32-column block and a 16-column tail
     gen = torch.Generator().manual_seed(M)
     x = torch.randn(M, K, generator=gen).bfloat16()
@@ -71,7 +77,7 @@ def test_routed_rows_match_the_masked_product(M, p, out_dtype):
     bias = torch.randn(G * g, generator=gen)
     mask = _mask(M, G, p, M + 1)
     out = torch.full((M, G * g), 7.0, dtype=out_dtype)
-    assert cpu_amx.rows(cpu_amx.pack_rows(w), x, out, mask, g, bias)
+    assert cpu_gather.rows(cpu_gather.pack_rows(w), x, out, mask, g, bias)
     e = _expand(mask, M, G, g).bool()
     want = x.float() @ w.float().t() + bias
     tol = (2.0**-8 if out_dtype == torch.bfloat16 else 1e-5) * float(want.abs().max())
@@ -81,8 +87,7 @@ def test_routed_rows_match_the_masked_product(M, p, out_dtype):
 
 @pytest.mark.parametrize("M", [17, 100, 300])
 @pytest.mark.parametrize("p", [None, 0.0, 0.3, 1.0])
-def test_routed_reduction_groups_accumulate_the_masked_product(M, p):
-    _need_amx()
+def test_routed_reduction_groups_accumulate_the_masked_product(M, p, gather_isa):
     G, g, N = 4, 32, 48
     gen = torch.Generator().manual_seed(M + 7)
     a = torch.randn(M, G * g, generator=gen).bfloat16()
@@ -90,7 +95,7 @@ def test_routed_reduction_groups_accumulate_the_masked_product(M, p):
     mask = _mask(M, G, p, M)
     out = torch.randn(M, N, generator=gen)
     want = out + (a.float() * _expand(mask, M, G, g)) @ w_t.float()
-    assert cpu_amx.acc(cpu_amx.pack_groups(w_t, g), a, out, mask)
+    assert cpu_gather.acc(cpu_gather.pack_groups(w_t, g), a, out, mask)
     torch.testing.assert_close(out, want, atol=1e-5 * float(want.abs().max()), rtol=0)
 
 
@@ -104,8 +109,7 @@ def _ffn_weights(G, g, D, seed):
 @pytest.mark.parametrize("M", [17, 64, 257, 600])  # one, several and partial windows of 256 tokens
 @pytest.mark.parametrize("p", [None, 0.0, 0.5, 1.0])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_routed_ffn_matches_the_masked_gated_product(M, p, act):
-    _need_amx()
+def test_routed_ffn_matches_the_masked_gated_product(M, p, act, gather_isa):
     from wide_cli.runtime import ops
 
     G, g, D = 3, 64, 96
@@ -113,8 +117,8 @@ def test_routed_ffn_matches_the_masked_gated_product(M, p, act):
     x = torch.randn(M, D, generator=torch.Generator().manual_seed(M + 3)).bfloat16()
     mask = _mask(M, G, p, M + 5)
     out = torch.full((M, D), float("nan"))
-    macs = cpu_amx.ffn(cpu_amx.pack_rows(cpu_proj.grouped_gate_up(wg, wu, g)),
-                       cpu_amx.pack_groups(wd.t().contiguous(), g), x, out, mask, act)  # fmt: skip
+    macs = cpu_gather.ffn(cpu_gather.pack_rows(cpu_proj.grouped_gate_up(wg, wu, g)),
+                       cpu_gather.pack_groups(wd.t().contiguous(), g), x, out, mask, act)  # fmt: skip
     assert macs is not None
     h = ops.gate_act(x.float() @ wg.float().t(), act) * (x.float() @ wu.float().t()) * _expand(mask, M, G, g)
     want = h.bfloat16().float() @ wd.float().t()
@@ -127,11 +131,10 @@ def test_routed_ffn_matches_the_masked_gated_product(M, p, act):
 
 
 @pytest.mark.parametrize("M", [40, 300])
-def test_two_threads_give_the_same_ffn_as_one(M):
-    _need_amx()
+def test_two_threads_give_the_same_ffn_as_one(M, gather_isa):
     G, g, D = 4, 32, 64
     wg, wu, wd = _ffn_weights(G, g, D, 1)
-    Pgu, Pd = cpu_amx.pack_rows(cpu_proj.grouped_gate_up(wg, wu, g)), cpu_amx.pack_groups(wd.t().contiguous(), g)
+    Pgu, Pd = cpu_gather.pack_rows(cpu_proj.grouped_gate_up(wg, wu, g)), cpu_gather.pack_groups(wd.t().contiguous(), g)
     x = torch.randn(M, D, generator=torch.Generator().manual_seed(2)).bfloat16()
     mask = _mask(M, G, 0.5, 3)
     n = torch.get_num_threads()
@@ -140,39 +143,37 @@ def test_two_threads_give_the_same_ffn_as_one(M):
         for t in (1, 2):
             torch.set_num_threads(t)
             out = torch.empty(M, D)
-            assert cpu_amx.ffn(Pgu, Pd, x, out, mask) is not None
+            assert cpu_gather.ffn(Pgu, Pd, x, out, mask) is not None
             outs.append(out)
     finally:
         torch.set_num_threads(n)
     assert torch.equal(outs[0], outs[1])  # a block's skipped pairs add exact zeros, whatever the split
 
 
-def test_the_kernels_check_their_operands():
-    _need_amx()
-    P = cpu_amx.pack_rows(torch.zeros(32, 64))
+def test_the_kernels_check_their_operands(gather_isa):
+    P = cpu_gather.pack_rows(torch.zeros(32, 64))
     with pytest.raises(ValueError, match="activations"):
-        cpu_amx.rows(P, torch.zeros(20, 64), torch.zeros(20, 32), None, 16)  # fp32 activations
+        cpu_gather.rows(P, torch.zeros(20, 64), torch.zeros(20, 32), None, 16)  # fp32 activations
     with pytest.raises(ValueError, match="out"):
-        cpu_amx.rows(P, torch.zeros(20, 64).bfloat16(), torch.zeros(20, 31), None, 16)
+        cpu_gather.rows(P, torch.zeros(20, 64).bfloat16(), torch.zeros(20, 31), None, 16)
     with pytest.raises(ValueError, match="mask"):
-        cpu_amx.rows(P, torch.zeros(20, 64).bfloat16(), torch.zeros(20, 32), torch.ones(20, 3, dtype=torch.bool), 16)
+        cpu_gather.rows(P, torch.zeros(20, 64).bfloat16(), torch.zeros(20, 32), torch.ones(20, 3, dtype=torch.bool), 16)
 
 
 def test_amx_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv("WIDE_CPU_AMX", "0")
-    cpu_amx.ready.cache_clear()
+    monkeypatch.setenv("WIDE_CPU_GATHER", "off")
+    cpu_gather.isa.cache_clear()
     try:
-        assert not cpu_amx.ready()
+        assert not cpu_gather.ready()
     finally:
-        monkeypatch.delenv("WIDE_CPU_AMX")
-        cpu_amx.ready.cache_clear()
+        monkeypatch.delenv("WIDE_CPU_GATHER")
+        cpu_gather.isa.cache_clear()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3"])
 @pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("p_skip", [0.0, 0.5, 1.0])
-def test_prefill_on_the_tiles_matches_reference(kind, weights, p_skip, routed_model, random_masks, monkeypatch):
-    _need_amx()
+def test_prefill_on_the_tiles_matches_reference(kind, weights, p_skip, routed_model, random_masks, monkeypatch, gather_isa):
     calls = []
 
     def spy(name, real):
@@ -185,7 +186,7 @@ def test_prefill_on_the_tiles_matches_reference(kind, weights, p_skip, routed_mo
         return run
 
     for name in ("rows", "acc", "ffn"):
-        monkeypatch.setattr(cpu_amx, name, spy(name, getattr(cpu_amx, name)))
+        monkeypatch.setattr(cpu_gather, name, spy(name, getattr(cpu_gather, name)))
     model = routed_model(kind)
     T = 70
     ids = torch.randint(5, 100, (2, T), generator=torch.Generator().manual_seed(5))
@@ -203,8 +204,7 @@ def test_prefill_on_the_tiles_matches_reference(kind, weights, p_skip, routed_mo
     assert cpu.stats.summary() == ref.stats.summary()
 
 
-def test_prefill_counts_what_the_tiles_execute(routed_model, random_masks):
-    _need_amx()
+def test_prefill_counts_what_the_tiles_execute(routed_model, random_masks, gather_isa):
     model = routed_model("llama")
     T = 64
     ids = torch.randint(5, 100, (1, T), generator=torch.Generator().manual_seed(1))
@@ -228,8 +228,7 @@ def test_prefill_counts_what_the_tiles_execute(routed_model, random_masks):
     (1, 90, 4, 4, 64, 0, 16, 0.7, 0),  # sliding window
     (2, 300, 6, 2, 128, 0, None, 0.5, 3),
 ])  # fmt: skip
-def test_routed_attention_on_the_tiles_matches_the_reference(case):
-    _need_amx()
+def test_routed_attention_on_the_tiles_matches_the_reference(case, gather_isa):
     from wide_cli.runtime import ops
 
     B, T, H, Hkv, d, off, window, p, pad = case
@@ -241,7 +240,7 @@ def test_routed_attention_on_the_tiles_matches_the_reference(case):
     if pad:
         kv = torch.ones(B, S, dtype=torch.bool)
         kv[1, :pad] = False
-    out, pairs = cpu_amx.attention(q, k, v, hm, key_valid=kv, q_offset=off, scale=d**-0.5, window=window)
+    out, pairs = cpu_gather.attention(q, k, v, hm, key_valid=kv, q_offset=off, scale=d**-0.5, window=window)
     want = ops.attention_prefill(q.float(), k.float(), v.float(), hm, key_valid=kv, q_offset=off, scale=d**-0.5,
                                  window=window)  # fmt: skip
     # the probabilities are rounded to bf16 for the P V product (and for their normaliser)
@@ -254,10 +253,20 @@ def test_routed_attention_on_the_tiles_matches_the_reference(case):
     assert pairs == int((vis[:, :, None, :] & ex[..., None]).sum())
 
 
-def test_attention_declines_what_it_does_not_take():
-    _need_amx()
+def test_attention_declines_what_it_does_not_take(gather_isa):
     q = torch.zeros(1, 20, 2, 48).bfloat16()  # head dim off the tile multiple
     k = torch.zeros(1, 20, 1, 48).bfloat16()
-    assert cpu_amx.attention(q, k, k, None, key_valid=None, q_offset=0, scale=1.0, window=None) is None
-    assert cpu_amx.attention(q.float(), k.float(), k.float(), None, key_valid=None, q_offset=0, scale=1.0,
+    assert cpu_gather.attention(q, k, k, None, key_valid=None, q_offset=0, scale=1.0, window=None) is None
+    assert cpu_gather.attention(q.float(), k.float(), k.float(), None, key_valid=None, q_offset=0, scale=1.0,
                              window=None) is None  # fmt: skip
+
+
+def test_an_unknown_isa_choice_is_named(monkeypatch):
+    monkeypatch.setenv("WIDE_CPU_GATHER", "tiles")
+    cpu_gather.isa.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="WIDE_CPU_GATHER='tiles': expected auto, amx, avx512 or off"):
+            cpu_gather.isa()
+    finally:
+        monkeypatch.delenv("WIDE_CPU_GATHER")
+        cpu_gather.isa.cache_clear()

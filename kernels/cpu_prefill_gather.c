@@ -1,28 +1,35 @@
-/* Routed prefill on Intel AMX tiles (bf16 x bf16 -> fp32): part of the native library, included by
- * cpu_decode.c (one translation unit: it runs on the same thread pool, WCtx, and split()).
+/* Routed prefill in bf16 (bf16 x bf16 -> fp32) on Intel AMX tiles or AVX512-BF16 dot products:
+ * part of the native library, included by cpu_decode.c (one translation unit: it runs on the same
+ * thread pool, WCtx, and split()).
  *
- * Why: on CPUs with AMX (Sapphire Rapids and later), PyTorch's oneDNN runs a dense bf16 GEMM at
- * about 490 G multiply-adds/s on one core (SmolLM2-135M FFN, 1,024 tokens), and the cpu backend's
- * routed path, one PyTorch GEMM per group plus gathers, scatters and SwiGLU ops between them, ran
- * slower than dense at half the groups skipped (0.61x). Here a routed module is one call: per group,
- * the tokens that execute it are gathered 32 at a time into a tile-shaped buffer, multiplied on the
- * tiles with the group's weights (packed once at load), and their outputs written or
- * scatter-added; the FFN keeps a block's intermediate activations in L1 between its gate/up and
- * down products. Cost follows the executed (token, group) pairs, up to 31 padding rows per group.
+ * Why: with bf16 matrix hardware PyTorch's oneDNN runs a dense bf16 GEMM near peak (about 490 G
+ * multiply-adds/s on one Sapphire Rapids core with AMX, about 100 G on one Zen 4 core with
+ * vdpbf16ps; SmolLM2-135M FFN shapes), and the cpu backend's routed path, one PyTorch GEMM per
+ * group plus gathers, scatters and SwiGLU ops between them, ran slower than dense at half the
+ * groups skipped (0.61x on AMX). Here a routed module is one call: per group, the tokens that
+ * execute it are gathered 32 at a time into a tile-shaped buffer, multiplied with the group's
+ * weights (packed once at load), and their outputs written or scatter-added; the FFN keeps a
+ * block's intermediate activations in L1 between its gate/up and down products. Cost follows the
+ * executed (token, group) pairs, up to 31 padding rows per group on the tiles (7 on vdpbf16ps).
+ *
+ * Two ISAs run the same jobs (the `isa` argument, ISA_AMX or ISA_VDP): the tiles (amx_block,
+ * amx_down_block) or vdpbf16ps (vdp_block, vdp_down_block, below them); only the block products
+ * differ.
  *
  * Tile use: every tile is 16 rows x 64 bytes. Tiles 0-3 accumulate a 32 x 32 fp32 output block
  * (2 x 2 tiles of 16 x 16), tiles 4-5 hold 32 token rows of 32 reduction channels (bf16), tiles 6-7
  * two 16-column weight blocks of the same 32 channels in the VNNI pair layout TDPBF16PS reads.
  *
- * Packed weights (runtime/cpu_amx.py packs them): for a product y[n] = sum_k x[k] W[n][k],
+ * Packed weights (runtime/cpu_gather.py packs them): for a product y[n] = sum_k x[k] W[n][k],
  * P[nb][kb][kp][c][p] = W[16 nb + c][32 kb + 2 kp + p] (nb < N / 16, kb < K / 32, kp, c < 16,
  * p < 2): one 1 KiB tile per (nb, kb), the tiles of one output block contiguous over kb. Axis-k
  * projections (O, down) are packed per reduction group: group j's [N, gsz] slice is its own P.
  *
- * Requires the kernel's permission to use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, asked for
- * once by wide_amx_ready) and the CPU flags AMX-TILE, AMX-BF16, AVX512-BF16. The functions carry
- * their target ISA as attributes, so the library builds on any x86-64 compiler with AVX-512
- * (gcc >= 11, clang >= 12); elsewhere wide_amx_ready returns 0 and the runtime keeps its other paths.
+ * The tiles require the kernel's permission to use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM,
+ * asked for once by wide_amx_ready) and the CPU flags AMX-TILE, AMX-BF16, AVX512-BF16; vdpbf16ps
+ * the flag AVX512-BF16 (wide_vdp_ready). The functions carry their target ISA as attributes, so the
+ * library builds on any x86-64 compiler with AVX-512 (gcc >= 11, clang >= 12); elsewhere both
+ * return 0 and the runtime keeps its other paths.
  */
 
 #if defined(WIDE_AVX512) && defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 11)
@@ -33,6 +40,7 @@
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 #define AMX_ROWS 32 /* token rows of one block (two A tiles) */
+enum { ISA_VDP = 1, ISA_AMX = 2 }; /* what runs the block products: vdpbf16ps, or the tiles */
 #ifndef AMX_CHUNK
 #define AMX_CHUNK 100000
 #endif
@@ -119,6 +127,82 @@ AMX_TARGET static void amx_block(const uint16_t *A, int64_t lda, const uint16_t 
     }
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* The same products on AVX512-BF16 (vdpbf16ps), for CPUs without AMX (AMD Zen 4 and later, Intel
+ * Cooper Lake): the packed tile layout is already vdpbf16ps's operand order (one 64-byte row of a
+ * packed tile = 16 output columns x one pair of reduction channels), so the jobs above run
+ * unchanged and only their block products differ. A block of 8 token rows x 32 columns is held in
+ * 16 zmm accumulators; per pair of reduction channels it loads two weight rows, broadcasts each
+ * token's pair and issues 16 vdpbf16ps (32 multiply-adds each). Rows past `nrows` (rounded up to
+ * 8) are not computed. */
+
+#define VDP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define VDP_MR 8
+
+/* acc0/acc1[r] += A[r][32 kb + 2 kp + p] x P0/P1 over kb < KB (P1 NULL: acc1 untouched). */
+VDP_TARGET static inline __attribute__((always_inline)) void vdp_rows(const uint16_t *A, int64_t lda,
+                                                                      const uint16_t *P0, const uint16_t *P1,
+                                                                      int64_t KB, __m512 *acc0, __m512 *acc1) {
+    for (int64_t kb = 0; kb < KB; kb++) {
+        const uint16_t *a = A + kb * 32, *p0 = P0 + kb * 512, *p1 = P1 ? P1 + kb * 512 : NULL;
+        if (p1) {
+            for (int64_t kp = 0; kp < 16; kp++) {
+                const __m512bh w0 = (__m512bh)_mm512_load_si512(p0 + kp * 32);
+                const __m512bh w1 = (__m512bh)_mm512_load_si512(p1 + kp * 32);
+#pragma GCC unroll 8
+                for (int r = 0; r < VDP_MR; r++) {
+                    const __m512bh x = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(a + r * lda + 2 * kp));
+                    acc0[r] = _mm512_dpbf16_ps(acc0[r], x, w0);
+                    acc1[r] = _mm512_dpbf16_ps(acc1[r], x, w1);
+                }
+            }
+        } else {
+            for (int64_t kp = 0; kp < 16; kp++) {
+                const __m512bh w0 = (__m512bh)_mm512_load_si512(p0 + kp * 32);
+#pragma GCC unroll 8
+                for (int r = 0; r < VDP_MR; r++) {
+                    const __m512bh x = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(a + r * lda + 2 * kp));
+                    acc0[r] = _mm512_dpbf16_ps(acc0[r], x, w0);
+                }
+            }
+        }
+    }
+}
+
+/* amx_block on vdpbf16ps: C[r][0..32) (row stride ldc) = A[r] . [P0 | P1] for r < nrows rounded up
+ * to VDP_MR (A must hold those rows); with P1 NULL only columns 0..16 are written. */
+VDP_TARGET static void vdp_block(const uint16_t *A, int64_t lda, const uint16_t *P0, const uint16_t *P1, int64_t KB,
+                                 float *C, int64_t ldc, int64_t nrows) {
+    for (int64_t r0 = 0; r0 < nrows; r0 += VDP_MR) {
+        __m512 acc0[VDP_MR], acc1[VDP_MR];
+        for (int r = 0; r < VDP_MR; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+        vdp_rows(A + r0 * lda, lda, P0, P1, KB, acc0, acc1);
+        for (int r = 0; r < VDP_MR; r++) {
+            _mm512_storeu_ps(C + (r0 + r) * ldc, acc0[r]);
+            if (P1) _mm512_storeu_ps(C + (r0 + r) * ldc + 16, acc1[r]);
+        }
+    }
+}
+
+/* amx_down_block on vdpbf16ps (same arguments, rows < nrows rounded up to VDP_MR). */
+VDP_TARGET static void vdp_down_block(const uint16_t *H, int64_t ldh, const uint16_t *Pd, int64_t D, int64_t g,
+                                      const int64_t *live, int64_t nl, int64_t c, int two, float *C, int64_t ldc,
+                                      int64_t nrows) {
+    const int64_t HB = g / 32, per = (D / 16) * HB * 512;
+    for (int64_t r0 = 0; r0 < nrows; r0 += VDP_MR) {
+        __m512 acc0[VDP_MR], acc1[VDP_MR];
+        for (int r = 0; r < VDP_MR; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nl; i++) {
+            const uint16_t *P0 = Pd + live[i] * per + (c / 16) * HB * 512;
+            vdp_rows(H + r0 * ldh + live[i] * g, ldh, P0, two ? P0 + HB * 512 : NULL, HB, acc0, acc1);
+        }
+        for (int r = 0; r < VDP_MR; r++) {
+            _mm512_storeu_ps(C + (r0 + r) * ldc, acc0[r]);
+            if (two) _mm512_storeu_ps(C + (r0 + r) * ldc + 16, acc1[r]);
+        }
+    }
+}
+
 /* Per-part scratch of the AMX jobs. */
 typedef struct {
     uint16_t *a; /* [AMX_ROWS][K] gathered token rows, bf16 */
@@ -163,6 +247,7 @@ typedef struct {
     void *out;
     int64_t *macs; /* the FFN: multiply-adds executed, added atomically by every part */
     int err;
+    int64_t isa; /* ISA_AMX: the tiles; ISA_VDP: vdpbf16ps */
 } AmxJob;
 
 /* Write (mode 0) or scatter-add (mode 1, and the FFN's down product) a 32 x 32 fp32 block C of
@@ -194,7 +279,7 @@ AMX_TARGET static void amx_emit(const AmxJob *j, const float *C, const int64_t *
     }
 }
 
-/* One routed projection over this part's tokens (see wide_amx_proj). */
+/* One routed projection over this part's tokens (see wide_gather_proj). */
 AMX_TARGET static void amx_proj_job(void *arg, int64_t part, int64_t parts) {
     AmxJob *j = (AmxJob *)arg;
     int64_t lo, hi;
@@ -208,7 +293,7 @@ AMX_TARGET static void amx_proj_job(void *arg, int64_t part, int64_t parts) {
         return;
     }
     float C[32 * 32] __attribute__((aligned(64)));
-    amx_configure();
+    if (j->isa == ISA_AMX) amx_configure();
     const int64_t KB = kg / 32;
     for (int64_t g = 0; g < j->G; g++) {
         const int64_t n = amx_tokens(j->mask, j->mstride, g, lo, hi, s.rows);
@@ -222,12 +307,13 @@ AMX_TARGET static void amx_proj_job(void *arg, int64_t part, int64_t parts) {
             for (int64_t c = 0; c < ncols; c += 32) {
                 const int64_t w = ncols - c < 32 ? ncols - c : 32;
                 const uint16_t *P0 = Pg + (c / 16) * KB * 512;
-                amx_block(s.a, kg, P0, w > 16 ? P0 + KB * 512 : NULL, KB, C);
+                if (j->isa == ISA_AMX) amx_block(s.a, kg, P0, w > 16 ? P0 + KB * 512 : NULL, KB, C);
+                else vdp_block(s.a, kg, P0, w > 16 ? P0 + KB * 512 : NULL, KB, C, 32, nb);
                 amx_emit(j, C, s.rows + b, nb, c00 + c, w, j->mode == 1);
             }
         }
     }
-    _tile_release();
+    if (j->isa == ISA_AMX) _tile_release();
     amx_scratch_free(&s);
 }
 
@@ -267,7 +353,7 @@ AMX_TARGET static void amx_down_block(const uint16_t *H, int64_t ldh, const uint
 
 #define AMX_WIN 256 /* tokens whose gated activations [AMX_WIN][G g] bf16 sit in L2 between the products */
 
-/* The routed gated FFN over this part's tokens (see wide_amx_ffn), a window of AMX_WIN tokens at a
+/* The routed gated FFN over this part's tokens (see wide_gather_ffn), a window of AMX_WIN tokens at a
  * time. Gate/up: per group, the window's tokens that execute it, gathered 32 at a time; their gated
  * activations go to the window's rows of H (a token's skipped groups hold zeros). Down: per block
  * of 32 consecutive tokens, one tile accumulation over the groups that any token of the block
@@ -296,7 +382,7 @@ AMX_TARGET static void amx_ffn_job(void *arg, int64_t part, int64_t parts) {
     float C[32 * 32] __attribute__((aligned(64)));
     float *out = (float *)j->out;
     int64_t macs = 0;
-    amx_configure();
+    if (j->isa == ISA_AMX) amx_configure();
     for (int64_t w0 = lo; w0 < hi; w0 += AMX_WIN) {
         const int64_t w1 = w0 + AMX_WIN < hi ? w0 + AMX_WIN : hi, nw = w1 - w0, nblk = (nw + 31) / 32;
         memset(live, 0, (size_t)nblk * G);
@@ -321,7 +407,9 @@ AMX_TARGET static void amx_ffn_job(void *arg, int64_t part, int64_t parts) {
                 const int64_t nb = n - b < AMX_ROWS ? n - b : AMX_ROWS;
                 amx_gather(j->X, j->ldx, s.rows + b, nb, D, s.a);
                 for (int64_t c = 0; c < g; c += 16) { /* 16 channels: gate and up side by side in C */
-                    amx_block(s.a, D, Pgu + (c / 16) * KB * 512, Pgu + ((g + c) / 16) * KB * 512, KB, C);
+                    const uint16_t *Pg = Pgu + (c / 16) * KB * 512, *Pu = Pgu + ((g + c) / 16) * KB * 512;
+                    if (j->isa == ISA_AMX) amx_block(s.a, D, Pg, Pu, KB, C);
+                    else vdp_block(s.a, D, Pg, Pu, KB, C, 32, nb);
                     for (int64_t r = 0; r < nb; r++) {
                         __m512 h = amx_gate(_mm512_load_ps(C + r * 32), _mm512_load_ps(C + r * 32 + 16), j->gelu);
                         _mm256_storeu_si256((__m256i *)(H + (s.rows[b + r] - w0) * F + grp * g + c),
@@ -338,16 +426,18 @@ AMX_TARGET static void amx_ffn_job(void *arg, int64_t part, int64_t parts) {
             macs += nr * nl * g * D;
             for (int64_t c = 0; c < D; c += 32) {
                 const int two = D - c > 16;
-                if (nr == 32) { /* a full block: the tiles go straight to the output rows */
-                    amx_down_block(H + b * 32 * F, F, j->P2, D, g, lg, nl, c, two, out + r0 * D + c, D);
+                if (nr == 32) { /* a full block: the products go straight to the output rows */
+                    if (j->isa == ISA_AMX) amx_down_block(H + b * 32 * F, F, j->P2, D, g, lg, nl, c, two, out + r0 * D + c, D);
+                    else vdp_down_block(H + b * 32 * F, F, j->P2, D, g, lg, nl, c, two, out + r0 * D + c, D, 32);
                 } else {
-                    amx_down_block(H + b * 32 * F, F, j->P2, D, g, lg, nl, c, two, C, 32);
+                    if (j->isa == ISA_AMX) amx_down_block(H + b * 32 * F, F, j->P2, D, g, lg, nl, c, two, C, 32);
+                    else vdp_down_block(H + b * 32 * F, F, j->P2, D, g, lg, nl, c, two, C, 32, nr);
                     for (int64_t r = 0; r < nr; r++) memcpy(out + (r0 + r) * D + c, C + r * 32, (size_t)(two ? 32 : 16) * 4);
                 }
             }
         }
     }
-    _tile_release();
+    if (j->isa == ISA_AMX) _tile_release();
     amx_scratch_free(&s);
     free(H), free(live), free(lg);
     __atomic_fetch_add(j->macs, macs, __ATOMIC_RELAXED);
@@ -371,6 +461,7 @@ typedef struct {
     const int64_t *tok_off;
     int64_t *pairs;       /* (query, key) pairs computed, added atomically */
     int err;
+    int64_t isa;
 } AmxAttnJob;
 
 /* Pack the keys [0, S) of (row b, KV head h): kp tile (key block kb, dim chunk dc) [kp][n][p] =
@@ -429,12 +520,15 @@ AMX_TARGET static void amx_attn_job(void *arg, int64_t part, int64_t parts) {
     float o[32 * 256] __attribute__((aligned(64)));      /* output accumulator [32][d] */
     float mx[32], l[32];
     int64_t pos[32], pairs = 0;
-    amx_configure();
+    if (j->isa == ISA_AMX) amx_configure();
     for (int64_t it = part; it < j->nitems; it += parts) {
         const int64_t b = j->items[it * 3], h = j->items[it * 3 + 1], i0 = j->items[it * 3 + 2];
         const int64_t *tok = j->tok + j->tok_off[b * j->H + h];
         const int64_t ntok = j->tok_off[b * j->H + h + 1] - j->tok_off[b * j->H + h];
         const int64_t nq = ntok - i0 < 32 ? ntok - i0 : 32;
+        /* the rows computed: the tiles take 32, vdpbf16ps blocks of VDP_MR (padding rows repeat
+         * the last query) */
+        const int64_t nrow = j->isa == ISA_AMX ? 32 : (nq + VDP_MR - 1) / VDP_MR * VDP_MR;
         for (int64_t r = 0; r < 32; r++) {
             const int64_t t = tok[i0 + (r < nq ? r : nq - 1)];
             memcpy(qa + r * d, j->q + (b * j->T + t) * j->ldq + h * d, (size_t)d * 2);
@@ -450,32 +544,17 @@ AMX_TARGET static void amx_attn_job(void *arg, int64_t part, int64_t parts) {
         int64_t first = 0;
         if (j->window > 0 && pos[0] - j->window + 1 > 0) first = (pos[0] - j->window + 1) / 32 * 32;
         for (int64_t k0 = first; k0 <= last && k0 < j->S; k0 += 32) {
-            /* scores [32 q][32 keys] = Q K^T */
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t dc = 0; dc < DC; dc++) {
-                _tile_loadd(4, qa + dc * 32, d * 2);
-                _tile_loadd(5, qa + 16 * d + dc * 32, d * 2);
-                _tile_loadd(6, kp + ((k0 / 16) * DC + dc) * 512, 64);
-                _tile_loadd(7, kp + ((k0 / 16 + 1) * DC + dc) * 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-            _tile_stored(0, sc, 128);
-            _tile_stored(1, sc + 16, 128);
-            _tile_stored(2, sc + 16 * 32, 128);
-            _tile_stored(3, sc + 16 * 32 + 16, 128);
+            /* scores [32 q][32 keys] = Q K^T (the key tiles of the block: packed weights of 16 keys) */
+            const uint16_t *k0p = kp + (k0 / 16) * DC * 512;
+            if (j->isa == ISA_AMX) amx_block(qa, d, k0p, k0p + DC * 512, DC, sc);
+            else vdp_block(qa, d, k0p, k0p + DC * 512, DC, sc, 32, nrow);
             /* visibility of the block's keys per query row: causal, window, valid slots */
             uint32_t valid = 0xffffffffu;
             if (kval) {
                 valid = 0;
                 for (int64_t c = 0; c < 32 && k0 + c < j->S; c++) valid |= (uint32_t)(kval[k0 + c] != 0) << c;
             }
-            for (int64_t r = 0; r < 32; r++) {
+            for (int64_t r = 0; r < nrow; r++) {
                 const int64_t hi = pos[r] + 1 < j->S ? pos[r] + 1 : j->S;
                 const uint32_t vis = key_range_bits(k0, j->window > 0 ? pos[r] - j->window + 1 : 0, hi) & valid;
                 if (r < nq) pairs += __builtin_popcount(vis);
@@ -507,23 +586,10 @@ AMX_TARGET static void amx_attn_job(void *arg, int64_t part, int64_t parts) {
             }
             /* o += P V, 32 dims at a time */
             for (int64_t db = 0; db < DB; db += 2) {
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                _tile_loadd(4, pa, 64);
-                _tile_loadd(5, pa + 16 * 32, 64);
-                _tile_loadd(6, vp + ((k0 / 32) * DB + db) * 512, 64);
-                _tile_loadd(7, vp + ((k0 / 32) * DB + db + 1) * 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-                _tile_stored(0, pv, 128);
-                _tile_stored(1, pv + 16, 128);
-                _tile_stored(2, pv + 16 * 32, 128);
-                _tile_stored(3, pv + 16 * 32 + 16, 128);
-                for (int64_t r = 0; r < 32; r++) {
+                const uint16_t *v0p = vp + ((k0 / 32) * DB + db) * 512;
+                if (j->isa == ISA_AMX) amx_block(pa, 32, v0p, v0p + 512, 1, pv);
+                else vdp_block(pa, 32, v0p, v0p + 512, 1, pv, 32, nrow);
+                for (int64_t r = 0; r < nrow; r++) {
                     float *orow = o + r * d + db * 16;
                     _mm512_store_ps(orow, _mm512_add_ps(_mm512_load_ps(orow), _mm512_load_ps(pv + r * 32)));
                     _mm512_store_ps(orow + 16, _mm512_add_ps(_mm512_load_ps(orow + 16), _mm512_load_ps(pv + r * 32 + 16)));
@@ -537,8 +603,14 @@ AMX_TARGET static void amx_attn_job(void *arg, int64_t part, int64_t parts) {
                 _mm256_storeu_si256((__m256i *)(dst + e), st16_bf16(_mm512_mul_ps(_mm512_load_ps(o + r * d + e), inv)));
         }
     }
-    _tile_release();
+    if (j->isa == ISA_AMX) _tile_release();
     __atomic_fetch_add(j->pairs, pairs, __ATOMIC_RELAXED);
+}
+
+/* 1 when this CPU runs AVX512-BF16 (vdpbf16ps), the other ISA of the kernels of this file. */
+int64_t wide_vdp_ready(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
 }
 
 /* 1 when this process can run the AMX kernels: the CPU has AMX-TILE, AMX-BF16 and AVX512-BF16 and
@@ -548,6 +620,15 @@ int64_t wide_amx_ready(void) {
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return 0;
     if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return 0; /* AVX512-BF16 */
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+
+/* Whether `isa` may run here (the tile permission is asked for once, by the first call). */
+static int isa_ok(int64_t isa) {
+    static int amx = -1;
+    if (isa == ISA_VDP) return (int)wide_vdp_ready();
+    if (isa != ISA_AMX) return 0;
+    if (amx < 0) amx = (int)wide_amx_ready();
+    return amx;
 }
 #endif
 
@@ -562,21 +643,22 @@ int64_t wide_amx_ready(void) {
  *   (g + 1) gsz] . W_g for every executing pair; out fp32; bias must be NULL.
  * X [M][ldx] bf16, out [M][ldo]. Returns 0, or -1 for arguments it does not take (nothing written
  * then): no AMX here, a shape off the tile multiples, an allocation failure. */
-int64_t wide_amx_proj(WCtx *c, int64_t mode, const uint16_t *P, int64_t N, int64_t K, int64_t G, int64_t gsz,
+int64_t wide_gather_proj(WCtx *c, int64_t mode, const uint16_t *P, int64_t N, int64_t K, int64_t G, int64_t gsz,
                       const uint16_t *X, int64_t ldx, int64_t M, const uint8_t *mask, int64_t mstride, void *out,
-                      int64_t ldo, int64_t ofmt, const float *bias, int64_t nthreads) {
+                      int64_t ldo, int64_t ofmt, const float *bias, int64_t isa, int64_t nthreads) {
 #ifdef WIDE_AMX
+    if (!isa_ok(isa)) return -1;
     if (M <= 0 || G <= 0 || gsz <= 0 || N != (mode == 0 ? G * gsz : N) || K <= 0) return -1;
     if (mode == 0 && (K % 32 || gsz % 16)) return -1;
     if (mode == 1 && (gsz % 32 || N % 16 || K != G * gsz || ofmt != FMT_F32 || bias)) return -1;
     if ((mode != 0 && mode != 1) || (ofmt != FMT_F32 && ofmt != FMT_BF16)) return -1;
     if (nthreads != c->pool.n) pool_resize(&c->pool, nthreads);
-    AmxJob j = {mode, N, K, G, gsz, M, mstride, ldx, ldo, ofmt, 0, 0, P, NULL, X, mask, bias, out, NULL, 0};
+    AmxJob j = {mode, N, K, G, gsz, M, mstride, ldx, ldo, ofmt, 0, 0, P, NULL, X, mask, bias, out, NULL, 0, isa};
     pool_run(&c->pool, amx_proj_job, &j);
     return j.err ? -1 : 0;
 #else
     (void)c, (void)mode, (void)P, (void)N, (void)K, (void)G, (void)gsz, (void)X, (void)ldx, (void)M, (void)mask;
-    (void)mstride, (void)out, (void)ldo, (void)ofmt, (void)bias, (void)nthreads;
+    (void)mstride, (void)out, (void)ldo, (void)ofmt, (void)bias, (void)isa, (void)nthreads;
     return -1;
 #endif
 }
@@ -585,23 +667,24 @@ int64_t wide_amx_proj(WCtx *c, int64_t mode, const uint16_t *P, int64_t N, int64
  * act(X[t] . gate_g) * (X[t] . up_g) . down_g (act silu, or GELU-tanh with gelu = 1), the gated
  * activations rounded to bf16 between the products. Pgu: the grouped gate/up rows (per group g
  * gate rows then g up rows, cpu_proj.grouped_gate_up) packed with K = D; Pd: the down projection
- * packed per group (mode 1 of wide_amx_proj, N = D). D a multiple of 32, g a multiple of 32. X [M][ldx]
+ * packed per group (mode 1 of wide_gather_proj, N = D). D a multiple of 32, g a multiple of 32. X [M][ldx]
  * bf16, out [M][D] fp32 contiguous, every row written (zeros for a token that executes no group).
  * *macs += the multiply-adds executed: the gate/up products of the executed pairs, and the down
  * products of every token row of a 32-token block for each group some token of the block executes
- * (see amx_ffn_job). Returns 0, or -1 as wide_amx_proj. */
-int64_t wide_amx_ffn(WCtx *c, const uint16_t *Pgu, const uint16_t *Pd, int64_t D, int64_t G, int64_t g,
+ * (see amx_ffn_job). Returns 0, or -1 as wide_gather_proj. */
+int64_t wide_gather_ffn(WCtx *c, const uint16_t *Pgu, const uint16_t *Pd, int64_t D, int64_t G, int64_t g,
                      const uint16_t *X, int64_t ldx, int64_t M, const uint8_t *mask, int64_t mstride, int64_t gelu,
-                     float *out, int64_t *macs, int64_t nthreads) {
+                     float *out, int64_t *macs, int64_t isa, int64_t nthreads) {
 #ifdef WIDE_AMX
+    if (!isa_ok(isa)) return -1;
     if (M <= 0 || G <= 0 || D <= 0 || g <= 0 || D % 32 || g % 32) return -1;
     if (nthreads != c->pool.n) pool_resize(&c->pool, nthreads);
-    AmxJob j = {0, D, D, G, g, M, mstride, ldx, D, FMT_F32, gelu, D, Pgu, Pd, X, mask, NULL, out, macs, 0};
+    AmxJob j = {0, D, D, G, g, M, mstride, ldx, D, FMT_F32, gelu, D, Pgu, Pd, X, mask, NULL, out, macs, 0, isa};
     pool_run(&c->pool, amx_ffn_job, &j);
     return j.err ? -1 : 0;
 #else
     (void)c, (void)Pgu, (void)Pd, (void)D, (void)G, (void)g, (void)X, (void)ldx, (void)M, (void)mask, (void)mstride;
-    (void)gelu, (void)out, (void)macs, (void)nthreads;
+    (void)gelu, (void)out, (void)macs, (void)isa, (void)nthreads;
     return -1;
 #endif
 }
@@ -615,11 +698,12 @@ int64_t wide_amx_ffn(WCtx *c, const uint16_t *Pgu, const uint16_t *Pd, int64_t D
  * (and for a query that sees no key). d a multiple of 32, at most 256; H a multiple of Hkv.
  * *pairs += the (query, key) pairs computed. Returns 0, or -1 (nothing written) for arguments it
  * does not take: no AMX here, sizes, an allocation failure. */
-int64_t wide_amx_attention(WCtx *c, const uint16_t *q, int64_t ldq, int64_t B, int64_t T, int64_t H, int64_t Hkv,
+int64_t wide_gather_attention(WCtx *c, const uint16_t *q, int64_t ldq, int64_t B, int64_t T, int64_t H, int64_t Hkv,
                            int64_t d, const uint16_t *k, const uint16_t *v, int64_t kb, int64_t ks, int64_t kh,
                            int64_t S, int64_t q_offset, int64_t window, const uint8_t *key_valid, float scale,
-                           const uint8_t *hmask, uint16_t *out, int64_t *pairs, int64_t nthreads) {
+                           const uint8_t *hmask, uint16_t *out, int64_t *pairs, int64_t isa, int64_t nthreads) {
 #ifdef WIDE_AMX
+    if (!isa_ok(isa)) return -1;
     if (B <= 0 || T <= 0 || H <= 0 || Hkv <= 0 || H % Hkv || d % 32 || d > 256 || S <= 0 || q_offset + T > S) return -1;
     if (nthreads != c->pool.n) pool_resize(&c->pool, nthreads);
     const int64_t Sp = (S + 31) / 32 * 32;
@@ -642,7 +726,7 @@ int64_t wide_amx_attention(WCtx *c, const uint16_t *q, int64_t ldq, int64_t B, i
         off[B * H] = n;
         memset(out, 0, (size_t)(B * T * H * d * 2));
         AmxAttnJob j = {B, T, H, Hkv, d, S, Sp, q_offset, window, ldq, kb, ks, kh, Sp * d, scale, q, k, v, key_valid,
-                     hmask, kp, vp, out, ni, items, tok, off, pairs, 0};
+                     hmask, kp, vp, out, ni, items, tok, off, pairs, 0, isa};
         if (ni) {
             pool_run(&c->pool, amx_attn_pack_job, &j);
             pool_run(&c->pool, amx_attn_job, &j);
@@ -654,11 +738,12 @@ int64_t wide_amx_attention(WCtx *c, const uint16_t *q, int64_t ldq, int64_t B, i
 #else
     (void)c, (void)q, (void)ldq, (void)B, (void)T, (void)H, (void)Hkv, (void)d, (void)k, (void)v, (void)kb, (void)ks;
     (void)kh, (void)S, (void)q_offset, (void)window, (void)key_valid, (void)scale, (void)hmask, (void)out, (void)pairs;
-    (void)nthreads;
+    (void)isa, (void)nthreads;
     return -1;
 #endif
 }
 
 #ifndef WIDE_AMX
 int64_t wide_amx_ready(void) { return 0; }
+int64_t wide_vdp_ready(void) { return 0; }
 #endif

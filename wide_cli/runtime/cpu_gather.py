@@ -1,16 +1,21 @@
-"""Routed prefill on Intel AMX tiles: the cpu backend's bf16 projections and FFN of calls of more
-than ``cpu_plan.SMALL_M`` tokens, where the CPU has AMX (``kernels/cpu_prefill_amx.c``).
+"""Routed prefill in bf16 as one native call per module, gathering each group's tokens inside the
+kernel (``kernels/cpu_prefill_gather.c``): the cpu backend's projections, gated FFN and causal
+attention of calls of more than ``cpu_plan.SMALL_M`` tokens, on AMX tiles where the CPU has them
+(Sapphire Rapids and later) and with AVX512-BF16 dot products (``vdpbf16ps``) where it has those
+only (AMD Zen 4 and later, Cooper Lake).
 
-On such a CPU PyTorch's oneDNN runs a dense bf16 GEMM on the tiles, and the PyTorch routed path
-(one GEMM per group, with gathers, scatters and SwiGLU ops between them) ran slower than dense at
-half the groups skipped. Here one native call runs a routed module: per group it gathers the tokens
-that execute it and multiplies them on the tiles with the group's weights, packed once per
+With bf16 matrix hardware PyTorch's oneDNN runs a dense bf16 GEMM close to its peak, and the
+PyTorch routed path (one GEMM per group, with gathers, scatters and SwiGLU ops between them) ran
+slower than dense at half the groups skipped (0.61x on AMX; on a Zen 4 EPYC twelve per-group GEMM
+pairs of a SmolLM2-135M FFN took 1.22x the dense GEMMs' time for the same multiply-adds). Here per
+group the tokens that execute it are multiplied with the group's weights, packed once per
 projection on first use (``pack_rows`` / ``pack_groups``: a bf16 copy of the weights in the tile
-layout, the same bytes as the projection's bf16 weights). Activations are bf16 (the compute dtype
-of the bf16, int8 and int4 formats: int8 / int4 prefill multiplies the dequantized bf16 copy, as
-the PyTorch path does), products accumulate in fp32.
+layout, which is also ``vdpbf16ps``'s operand order). Activations are bf16 (the compute dtype of
+the bf16, int8 and int4 formats: int8 / int4 prefill multiplies the dequantized bf16 copy, as the
+PyTorch path does), products accumulate in fp32.
 
-``WIDE_CPU_AMX=0`` turns the path off (the PyTorch path then runs, as on CPUs without AMX).
+``WIDE_CPU_GATHER`` = ``auto`` | ``amx`` | ``avx512`` | ``off`` chooses (``isa``); ``off`` runs the
+PyTorch path, as on CPUs with neither ISA.
 """
 
 from __future__ import annotations
@@ -27,23 +32,41 @@ TILE_K = 32  # reduction channels of one tile row (bf16)
 TILE_N = 16  # output columns of one tile
 
 
+ISA_VDP, ISA_AMX = 1, 2  # what runs the kernels' block products: AVX512-BF16 (vdpbf16ps), AMX tiles
+ISA_NAMES = {"amx": ISA_AMX, "avx512": ISA_VDP}
+
+
 @functools.cache
-def ready() -> bool:
-    """Whether the AMX kernels run in this process: the native library loaded, the CPU has
-    AMX-BF16 and the OS granted the tile state, and ``WIDE_CPU_AMX`` is not ``0``."""
-    if os.environ.get("WIDE_CPU_AMX", "1") == "0":
-        return False
+def isa() -> int:
+    """What runs the gather kernels in this process: ``ISA_AMX`` where the CPU has AMX-BF16 and
+    the OS grants the tile state, else ``ISA_VDP`` where it has AVX512-BF16, else 0 (the PyTorch
+    path runs). ``WIDE_CPU_GATHER`` = ``auto`` (default), ``amx``, ``avx512`` or ``off`` forces a
+    choice (one the CPU lacks gives 0). Raises ValueError for another value."""
+    choice = os.environ.get("WIDE_CPU_GATHER", "auto")
+    if choice not in ("auto", "off", *ISA_NAMES):
+        raise ValueError(f"WIDE_CPU_GATHER={choice!r}: expected auto, amx, avx512 or off")
     lib = cpu_native.library()
-    return lib is not None and bool(lib.wide_amx_ready())
+    if lib is None or choice == "off":
+        return 0
+    if choice in ("auto", "amx") and lib.wide_amx_ready():
+        return ISA_AMX
+    if choice in ("auto", "avx512") and lib.wide_vdp_ready():
+        return ISA_VDP
+    return 0
+
+
+def ready() -> bool:
+    """Whether the gather kernels run in this process (``isa`` is not 0)."""
+    return isa() != 0
 
 
 def pack_rows(w: torch.Tensor) -> torch.Tensor:
     """``w [N, K]`` (rows layout: ``y = x @ w^T``) -> bf16 ``[N / 16, K / 32, 16, 16, 2]``,
     ``P[nb, kb, kp, c, p] = w[16 nb + c, 32 kb + 2 kp + p]`` (the tile layout of
-    ``kernels/cpu_prefill_amx.c``). Raises ValueError unless N % 16 == 0 and K % 32 == 0."""
+    ``kernels/cpu_prefill_gather.c``). Raises ValueError unless N % 16 == 0 and K % 32 == 0."""
     N, K = w.shape
     if N % TILE_N or K % TILE_K:
-        raise ValueError(f"AMX packing needs N % {TILE_N} == 0 and K % {TILE_K} == 0, got [{N}, {K}]")
+        raise ValueError(f"tile packing needs N % {TILE_N} == 0 and K % {TILE_K} == 0, got [{N}, {K}]")
     v = w.to(torch.bfloat16).reshape(N // TILE_N, TILE_N, K // TILE_K, TILE_K // 2, 2)
     return v.permute(0, 2, 3, 1, 4).contiguous()
 
@@ -54,7 +77,7 @@ def pack_groups(w_t: torch.Tensor, g: int) -> torch.Tensor:
     packed as ``pack_rows``. Raises ValueError unless N % 16 == 0 and g % 32 == 0."""
     K, N = w_t.shape
     if N % TILE_N or g % TILE_K or K % g:
-        raise ValueError(f"AMX packing needs N % {TILE_N} == 0, g % {TILE_K} == 0 and K % g == 0, got [{K}, {N}], g={g}")
+        raise ValueError(f"tile packing needs N % {TILE_N} == 0, g % {TILE_K} == 0 and K % g == 0, got [{K}, {N}], g={g}")
     v = w_t.to(torch.bfloat16).reshape(K // g, g // TILE_K, TILE_K // 2, 2, N // TILE_N, TILE_N)
     return v.permute(0, 4, 1, 2, 5, 3).contiguous()
 
@@ -101,9 +124,9 @@ def rows(packed: torch.Tensor, x: torch.Tensor, out: torch.Tensor, mask: torch.T
     mp, ms, _keep = _mask_arg(mask, M, G)
     b = None if bias is None else bias.to(torch.float32).contiguous()
     lib = cpu_native.library()
-    rc = lib.wide_amx_proj(cpu_native.context(lib), 0, packed.data_ptr(), N, K, G, group_rows, x.data_ptr(), x.stride(0),
+    rc = lib.wide_gather_proj(cpu_native.context(lib), 0, packed.data_ptr(), N, K, G, group_rows, x.data_ptr(), x.stride(0),
                            M, mp, ms, out.data_ptr(), out.stride(0), 0 if out.dtype == torch.float32 else 1,
-                           None if b is None else b.data_ptr(), torch.get_num_threads())  # fmt: skip
+                           None if b is None else b.data_ptr(), isa(), torch.get_num_threads())  # fmt: skip
     return rc == 0
 
 
@@ -125,8 +148,8 @@ def acc(packed: torch.Tensor, a: torch.Tensor, out: torch.Tensor, mask: torch.Te
         return False
     mp, ms, _keep = _mask_arg(mask, M, G)
     lib = cpu_native.library()
-    rc = lib.wide_amx_proj(cpu_native.context(lib), 1, packed.data_ptr(), N, G * g, G, g, a.data_ptr(), a.stride(0), M,
-                           mp, ms, out.data_ptr(), out.stride(0), 0, None, torch.get_num_threads())  # fmt: skip
+    rc = lib.wide_gather_proj(cpu_native.context(lib), 1, packed.data_ptr(), N, G * g, G, g, a.data_ptr(), a.stride(0), M,
+                           mp, ms, out.data_ptr(), out.stride(0), 0, None, isa(), torch.get_num_threads())  # fmt: skip
     return rc == 0
 
 
@@ -144,7 +167,7 @@ def ffn(packed_gu: torch.Tensor, packed_down: torch.Tensor, x: torch.Tensor, out
     Returns:
         The multiply-adds executed (the gate/up products of the executed pairs; the down product
         runs, per block of 32 consecutive tokens, every group some token of the block executes,
-        with zeros for the block's skipped pairs: ``kernels/cpu_prefill_amx.c`` says why), or
+        with zeros for the block's skipped pairs: ``kernels/cpu_prefill_gather.c`` says why), or
         None when the kernel cannot take the operands (nothing written).
     """
     G, D, g = packed_down.shape[0], packed_down.shape[1] * TILE_N, packed_down.shape[2] * TILE_K
@@ -159,15 +182,15 @@ def ffn(packed_gu: torch.Tensor, packed_down: torch.Tensor, x: torch.Tensor, out
     mp, ms, _keep = _mask_arg(mask, M, G)
     lib = cpu_native.library()
     macs = ctypes.c_int64(0)
-    rc = lib.wide_amx_ffn(cpu_native.context(lib), packed_gu.data_ptr(), packed_down.data_ptr(), D, G, g, x.data_ptr(),
+    rc = lib.wide_gather_ffn(cpu_native.context(lib), packed_gu.data_ptr(), packed_down.data_ptr(), D, G, g, x.data_ptr(),
                           x.stride(0), M, mp, ms, int(act == "gelu_tanh"), out.data_ptr(), ctypes.byref(macs),
-                          torch.get_num_threads())  # fmt: skip
+                          isa(), torch.get_num_threads())  # fmt: skip
     return macs.value if rc == 0 else None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_mask: torch.Tensor | None, *,
               key_valid: torch.Tensor | None, q_offset: int, scale: float, window: int | None) -> tuple | None:
-    """``ops.attention_prefill`` on the tiles: causal attention of the (token, head) pairs
+    """``ops.attention_prefill`` in the gather kernels (tiles or vdpbf16ps): causal attention of the (token, head) pairs
     ``head_mask`` marks, flash-style (online softmax over blocks of 32 keys, the probabilities
     rounded to bf16 for the P V product, as they are for the sum they are divided by).
 
@@ -193,8 +216,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_mask: torc
     out = torch.empty(B, T, H, d, dtype=torch.bfloat16)
     pairs = ctypes.c_int64(0)
     lib = cpu_native.library()
-    rc = lib.wide_amx_attention(cpu_native.context(lib), q.data_ptr(), q.stride(1), B, T, H, Hkv, d, k.data_ptr(),
+    rc = lib.wide_gather_attention(cpu_native.context(lib), q.data_ptr(), q.stride(1), B, T, H, Hkv, d, k.data_ptr(),
                                 v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), S, q_offset, window or 0,
                                 None if kv is None else kv.data_ptr(), scale, None if hm is None else hm.data_ptr(),
-                                out.data_ptr(), ctypes.byref(pairs), torch.get_num_threads())  # fmt: skip
+                                out.data_ptr(), ctypes.byref(pairs), isa(), torch.get_num_threads())  # fmt: skip
     return (out, pairs.value) if rc == 0 else None
