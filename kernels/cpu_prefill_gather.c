@@ -139,6 +139,13 @@ AMX_TARGET static void amx_block(const uint16_t *A, int64_t lda, const uint16_t 
 #define VDP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define VDP_MR 8
 
+/* The bf16 pair at p as one 32-bit lane (memcpy: no aliasing of the uint16_t data). */
+static inline int32_t vdp_pair(const uint16_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
 /* acc0/acc1[r] += A[r][32 kb + 2 kp + p] x P0/P1 over kb < KB (P1 NULL: acc1 untouched). */
 VDP_TARGET static inline __attribute__((always_inline)) void vdp_rows(const uint16_t *A, int64_t lda,
                                                                       const uint16_t *P0, const uint16_t *P1,
@@ -147,21 +154,21 @@ VDP_TARGET static inline __attribute__((always_inline)) void vdp_rows(const uint
         const uint16_t *a = A + kb * 32, *p0 = P0 + kb * 512, *p1 = P1 ? P1 + kb * 512 : NULL;
         if (p1) {
             for (int64_t kp = 0; kp < 16; kp++) {
-                const __m512bh w0 = (__m512bh)_mm512_load_si512(p0 + kp * 32);
-                const __m512bh w1 = (__m512bh)_mm512_load_si512(p1 + kp * 32);
+                const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p0 + kp * 32);
+                const __m512bh w1 = (__m512bh)_mm512_loadu_si512(p1 + kp * 32);
 #pragma GCC unroll 8
                 for (int r = 0; r < VDP_MR; r++) {
-                    const __m512bh x = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(a + r * lda + 2 * kp));
+                    const __m512bh x = (__m512bh)_mm512_set1_epi32(vdp_pair(a + r * lda + 2 * kp));
                     acc0[r] = _mm512_dpbf16_ps(acc0[r], x, w0);
                     acc1[r] = _mm512_dpbf16_ps(acc1[r], x, w1);
                 }
             }
         } else {
             for (int64_t kp = 0; kp < 16; kp++) {
-                const __m512bh w0 = (__m512bh)_mm512_load_si512(p0 + kp * 32);
+                const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p0 + kp * 32);
 #pragma GCC unroll 8
                 for (int r = 0; r < VDP_MR; r++) {
-                    const __m512bh x = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(a + r * lda + 2 * kp));
+                    const __m512bh x = (__m512bh)_mm512_set1_epi32(vdp_pair(a + r * lda + 2 * kp));
                     acc0[r] = _mm512_dpbf16_ps(acc0[r], x, w0);
                 }
             }
