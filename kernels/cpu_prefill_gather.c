@@ -40,7 +40,7 @@
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 #define AMX_ROWS 32 /* token rows of one block (two A tiles) */
-enum { ISA_VDP = 1, ISA_AMX = 2 }; /* what runs the block products: vdpbf16ps, or the tiles */
+enum { ISA_VDP = 1, ISA_AMX = 2, ISA_F32 = 3 }; /* what runs the block products: vdpbf16ps, the tiles, or fp32 FMAs */
 #ifndef AMX_CHUNK
 #define AMX_CHUNK 100000
 #endif
@@ -210,6 +210,89 @@ VDP_TARGET static void vdp_down_block(const uint16_t *H, int64_t ldh, const uint
     }
 }
 
+/* The fp32 products (ISA_F32: AVX-512 FMA, any AVX-512 CPU) on fp32 weights packed in 1 KiB
+ * tiles of 16 columns x 16 reduction channels, P[nb][kb][k][c] = W[16 nb + c][16 kb + k], and fp32
+ * activations: the jobs count activations and tiles in 16-bit units, so an fp32 row of K values
+ * is 2 K units and a tile 32 of them, as for bf16. Per reduction channel: two weight rows, each
+ * token's value broadcast, 16 FMAs (16 multiply-adds each). */
+VDP_TARGET static inline __attribute__((always_inline)) void fma_rows(const float *A, int64_t lda, const float *P0,
+                                                                      const float *P1, int64_t KB, __m512 *acc0,
+                                                                      __m512 *acc1) {
+    for (int64_t kb = 0; kb < KB; kb++) {
+        const float *a = A + kb * 16, *p0 = P0 + kb * 256, *p1 = P1 ? P1 + kb * 256 : NULL;
+        for (int64_t k = 0; k < 16; k++) {
+            const __m512 w0 = _mm512_loadu_ps(p0 + k * 16);
+            if (p1) {
+                const __m512 w1 = _mm512_loadu_ps(p1 + k * 16);
+#pragma GCC unroll 8
+                for (int r = 0; r < VDP_MR; r++) {
+                    const __m512 x = _mm512_set1_ps(a[r * lda + k]);
+                    acc0[r] = _mm512_fmadd_ps(x, w0, acc0[r]);
+                    acc1[r] = _mm512_fmadd_ps(x, w1, acc1[r]);
+                }
+            } else {
+#pragma GCC unroll 8
+                for (int r = 0; r < VDP_MR; r++) acc0[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + k]), w0, acc0[r]);
+            }
+        }
+    }
+}
+
+/* vdp_block on fp32 (A: fp32 rows lda values apart; KB tiles of 16 channels). */
+VDP_TARGET static void fma_block(const float *A, int64_t lda, const uint16_t *P0, const uint16_t *P1, int64_t KB,
+                                 float *C, int64_t ldc, int64_t nrows) {
+    for (int64_t r0 = 0; r0 < nrows; r0 += VDP_MR) {
+        __m512 acc0[VDP_MR], acc1[VDP_MR];
+        for (int r = 0; r < VDP_MR; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+        fma_rows(A + r0 * lda, lda, (const float *)P0, (const float *)P1, KB, acc0, acc1);
+        for (int r = 0; r < VDP_MR; r++) {
+            _mm512_storeu_ps(C + (r0 + r) * ldc, acc0[r]);
+            if (P1) _mm512_storeu_ps(C + (r0 + r) * ldc + 16, acc1[r]);
+        }
+    }
+}
+
+/* vdp_down_block on fp32 (H: fp32 rows ldh values apart). */
+VDP_TARGET static void fma_down_block(const float *H, int64_t ldh, const uint16_t *Pd, int64_t D, int64_t g,
+                                      const int64_t *live, int64_t nl, int64_t c, int two, float *C, int64_t ldc,
+                                      int64_t nrows) {
+    const int64_t HB = g / 16, per = (D / 16) * HB * 512;
+    for (int64_t r0 = 0; r0 < nrows; r0 += VDP_MR) {
+        __m512 acc0[VDP_MR], acc1[VDP_MR];
+        for (int r = 0; r < VDP_MR; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nl; i++) {
+            const float *P0 = (const float *)(Pd + live[i] * per + (c / 16) * HB * 512);
+            fma_rows(H + r0 * ldh + live[i] * g, ldh, P0, two ? P0 + HB * 256 : NULL, HB, acc0, acc1);
+        }
+        for (int r = 0; r < VDP_MR; r++) {
+            _mm512_storeu_ps(C + (r0 + r) * ldc, acc0[r]);
+            if (two) _mm512_storeu_ps(C + (r0 + r) * ldc + 16, acc1[r]);
+        }
+    }
+}
+
+/* One block product of the jobs on their ISA: C (row stride ldc) = A . [P0 | P1], A in 16-bit
+ * units (lda of them per row), KB tiles. */
+AMX_TARGET static inline void job_block(int64_t isa, const uint16_t *A, int64_t lda, const uint16_t *P0,
+                                        const uint16_t *P1, int64_t KB, float *C, int64_t ldc, int64_t nrows) {
+    if (isa == ISA_AMX) amx_block(A, lda, P0, P1, KB, C); /* ldc is 32 there */
+    else if (isa == ISA_VDP) vdp_block(A, lda, P0, P1, KB, C, ldc, nrows);
+    else fma_block((const float *)A, lda / 2, P0, P1, KB, C, ldc, nrows);
+}
+
+AMX_TARGET static void amx_down_block(const uint16_t *H, int64_t ldh, const uint16_t *Pd, int64_t D, int64_t g,
+                                      const int64_t *live, int64_t nl, int64_t c, int two, float *C, int64_t ldc);
+
+/* The FFN's down product of one block on the jobs' ISA (H in elements of the ISA's dtype, ldh of
+ * them per row). */
+AMX_TARGET static inline void job_down_block(int64_t isa, const uint16_t *H, int64_t ldh, const uint16_t *Pd,
+                                             int64_t D, int64_t g, const int64_t *live, int64_t nl, int64_t c, int two,
+                                             float *C, int64_t ldc, int64_t nrows) {
+    if (isa == ISA_AMX) amx_down_block(H, ldh, Pd, D, g, live, nl, c, two, C, ldc);
+    else if (isa == ISA_VDP) vdp_down_block(H, ldh, Pd, D, g, live, nl, c, two, C, ldc, nrows);
+    else fma_down_block((const float *)H, ldh, Pd, D, g, live, nl, c, two, C, ldc, nrows);
+}
+
 /* Per-part scratch of the AMX jobs. */
 typedef struct {
     uint16_t *a; /* [AMX_ROWS][K] gathered token rows, bf16 */
@@ -292,7 +375,8 @@ AMX_TARGET static void amx_proj_job(void *arg, int64_t part, int64_t parts) {
     int64_t lo, hi;
     split(j->M, part, parts, 1, &lo, &hi);
     if (lo >= hi) return;
-    const int64_t kg = j->mode == 0 ? j->K : j->gsz; /* reduction width of one group's product */
+    const int64_t es = j->isa == ISA_F32 ? 2 : 1; /* 16-bit units per activation */
+    const int64_t kg = (j->mode == 0 ? j->K : j->gsz) * es; /* reduction width of one group's product, units */
     AmxScratch s;
     if (!amx_scratch(&s, kg, 0, hi - lo)) {
         amx_scratch_free(&s);
@@ -310,12 +394,11 @@ AMX_TARGET static void amx_proj_job(void *arg, int64_t part, int64_t parts) {
         const int64_t a0 = j->mode == 0 ? 0 : g * j->gsz; /* the group's first activation column */
         for (int64_t b = 0; b < n; b += AMX_ROWS) {
             const int64_t nb = n - b < AMX_ROWS ? n - b : AMX_ROWS;
-            amx_gather(j->X + a0, j->ldx, s.rows + b, nb, kg, s.a);
+            amx_gather(j->X + a0 * es, j->ldx * es, s.rows + b, nb, kg, s.a);
             for (int64_t c = 0; c < ncols; c += 32) {
                 const int64_t w = ncols - c < 32 ? ncols - c : 32;
                 const uint16_t *P0 = Pg + (c / 16) * KB * 512;
-                if (j->isa == ISA_AMX) amx_block(s.a, kg, P0, w > 16 ? P0 + KB * 512 : NULL, KB, C);
-                else vdp_block(s.a, kg, P0, w > 16 ? P0 + KB * 512 : NULL, KB, C, 32, nb);
+                job_block(j->isa, s.a, kg, P0, w > 16 ? P0 + KB * 512 : NULL, KB, C, 32, nb);
                 amx_emit(j, C, s.rows + b, nb, c00 + c, w, j->mode == 1);
             }
         }
@@ -374,10 +457,11 @@ AMX_TARGET static void amx_ffn_job(void *arg, int64_t part, int64_t parts) {
     int64_t lo, hi;
     split(j->M, part, parts, 1, &lo, &hi);
     if (lo >= hi) return;
-    const int64_t D = j->D, g = j->gsz, G = j->G, F = G * g, KB = D / 32;
+    const int64_t es = j->isa == ISA_F32 ? 2 : 1; /* 16-bit units per activation */
+    const int64_t D = j->D, g = j->gsz, G = j->G, F = G * g, KB = D * es / 32;
     AmxScratch s;
-    int ok = amx_scratch(&s, D, 0, AMX_WIN);
-    uint16_t *H = (uint16_t *)aligned_alloc(64, (size_t)AMX_WIN * F * 2);
+    int ok = amx_scratch(&s, D * es, 0, AMX_WIN);
+    uint16_t *H = (uint16_t *)aligned_alloc(64, (size_t)AMX_WIN * F * 2 * es); /* gated activations, bf16 or fp32 */
     uint8_t *live = (uint8_t *)malloc((size_t)(AMX_WIN / 32) * G);
     int64_t *lg = (int64_t *)malloc(sizeof(int64_t) * (size_t)G);
     if (!ok || !H || !live || !lg) {
@@ -405,22 +489,22 @@ AMX_TARGET static void amx_ffn_job(void *arg, int64_t part, int64_t parts) {
                         i++;
                         continue;
                     }
-                    if (live[(t - w0) / 32 * G + grp]) memset(H + (t - w0) * F + grp * g, 0, (size_t)g * 2);
+                    if (live[(t - w0) / 32 * G + grp]) memset(H + ((t - w0) * F + grp * g) * es, 0, (size_t)(g * 2 * es));
                 }
             } else {
                 for (int64_t b = 0; b < nblk; b++) live[b * G + grp] = 1;
             }
             for (int64_t b = 0; b < n; b += AMX_ROWS) {
                 const int64_t nb = n - b < AMX_ROWS ? n - b : AMX_ROWS;
-                amx_gather(j->X, j->ldx, s.rows + b, nb, D, s.a);
+                amx_gather(j->X, j->ldx * es, s.rows + b, nb, D * es, s.a);
                 for (int64_t c = 0; c < g; c += 16) { /* 16 channels: gate and up side by side in C */
                     const uint16_t *Pg = Pgu + (c / 16) * KB * 512, *Pu = Pgu + ((g + c) / 16) * KB * 512;
-                    if (j->isa == ISA_AMX) amx_block(s.a, D, Pg, Pu, KB, C);
-                    else vdp_block(s.a, D, Pg, Pu, KB, C, 32, nb);
+                    job_block(j->isa, s.a, D * es, Pg, Pu, KB, C, 32, nb);
                     for (int64_t r = 0; r < nb; r++) {
                         __m512 h = amx_gate(_mm512_load_ps(C + r * 32), _mm512_load_ps(C + r * 32 + 16), j->gelu);
-                        _mm256_storeu_si256((__m256i *)(H + (s.rows[b + r] - w0) * F + grp * g + c),
-                                            (__m256i)_mm512_cvtneps_pbh(h));
+                        const int64_t at = (s.rows[b + r] - w0) * F + grp * g + c;
+                        if (es == 2) _mm512_storeu_ps((float *)H + at, h); /* fp32: no rounding between the products */
+                        else _mm256_storeu_si256((__m256i *)(H + at), (__m256i)_mm512_cvtneps_pbh(h));
                     }
                 }
             }
@@ -433,12 +517,11 @@ AMX_TARGET static void amx_ffn_job(void *arg, int64_t part, int64_t parts) {
             macs += nr * nl * g * D;
             for (int64_t c = 0; c < D; c += 32) {
                 const int two = D - c > 16;
+                const uint16_t *Hb = H + b * 32 * F * es;
                 if (nr == 32) { /* a full block: the products go straight to the output rows */
-                    if (j->isa == ISA_AMX) amx_down_block(H + b * 32 * F, F, j->P2, D, g, lg, nl, c, two, out + r0 * D + c, D);
-                    else vdp_down_block(H + b * 32 * F, F, j->P2, D, g, lg, nl, c, two, out + r0 * D + c, D, 32);
+                    job_down_block(j->isa, Hb, F, j->P2, D, g, lg, nl, c, two, out + r0 * D + c, D, 32);
                 } else {
-                    if (j->isa == ISA_AMX) amx_down_block(H + b * 32 * F, F, j->P2, D, g, lg, nl, c, two, C, 32);
-                    else vdp_down_block(H + b * 32 * F, F, j->P2, D, g, lg, nl, c, two, C, 32, nr);
+                    job_down_block(j->isa, Hb, F, j->P2, D, g, lg, nl, c, two, C, 32, nr);
                     for (int64_t r = 0; r < nr; r++) memcpy(out + (r0 + r) * D + c, C + r * 32, (size_t)(two ? 32 : 16) * 4);
                 }
             }
@@ -614,7 +697,10 @@ AMX_TARGET static void amx_attn_job(void *arg, int64_t part, int64_t parts) {
     __atomic_fetch_add(j->pairs, pairs, __ATOMIC_RELAXED);
 }
 
-/* 1 when this CPU runs AVX512-BF16 (vdpbf16ps), the other ISA of the kernels of this file. */
+/* 1: the fp32 products (ISA_F32) run wherever this file is compiled (AVX-512 F). */
+int64_t wide_f32_ready(void) { return 1; }
+
+/* 1 when this CPU runs AVX512-BF16 (vdpbf16ps), the other bf16 ISA of the kernels of this file. */
 int64_t wide_vdp_ready(void) {
     unsigned a, b, c, d;
     return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
@@ -632,6 +718,7 @@ int64_t wide_amx_ready(void) {
 /* Whether `isa` may run here (the tile permission is asked for once, by the first call). */
 static int isa_ok(int64_t isa) {
     static int amx = -1;
+    if (isa == ISA_F32) return 1; /* AVX-512 F: what this file is compiled for */
     if (isa == ISA_VDP) return (int)wide_vdp_ready();
     if (isa != ISA_AMX) return 0;
     if (amx < 0) amx = (int)wide_amx_ready();
@@ -648,7 +735,7 @@ static int isa_ok(int64_t isa) {
  * mode 1 (axis k: O, down): G groups of gsz reduction channels (a multiple of 32), K = G gsz, N
  *   output columns (a multiple of 16), P = G packed [N, gsz] slices: out[t][:N] += X[t][g gsz :
  *   (g + 1) gsz] . W_g for every executing pair; out fp32; bias must be NULL.
- * X [M][ldx] bf16, out [M][ldo]. Returns 0, or -1 for arguments it does not take (nothing written
+ * X [M][ldx] bf16 (ISA_F32: fp32, P packed in fp32 tiles), out [M][ldo]. Returns 0, or -1 for arguments it does not take (nothing written
  * then): no AMX here, a shape off the tile multiples, an allocation failure. */
 int64_t wide_gather_proj(WCtx *c, int64_t mode, const uint16_t *P, int64_t N, int64_t K, int64_t G, int64_t gsz,
                       const uint16_t *X, int64_t ldx, int64_t M, const uint8_t *mask, int64_t mstride, void *out,
@@ -675,7 +762,8 @@ int64_t wide_gather_proj(WCtx *c, int64_t mode, const uint16_t *P, int64_t N, in
  * activations rounded to bf16 between the products. Pgu: the grouped gate/up rows (per group g
  * gate rows then g up rows, cpu_proj.grouped_gate_up) packed with K = D; Pd: the down projection
  * packed per group (mode 1 of wide_gather_proj, N = D). D a multiple of 32, g a multiple of 32. X [M][ldx]
- * bf16, out [M][D] fp32 contiguous, every row written (zeros for a token that executes no group).
+ * bf16 (ISA_F32: fp32 X and packed weights, the gated activations kept in fp32), out [M][D] fp32
+ * contiguous, every row written (zeros for a token that executes no group).
  * *macs += the multiply-adds executed: the gate/up products of the executed pairs, and the down
  * products of every token row of a 32-token block for each group some token of the block executes
  * (see amx_ffn_job). Returns 0, or -1 as wide_gather_proj. */
@@ -710,7 +798,7 @@ int64_t wide_gather_attention(WCtx *c, const uint16_t *q, int64_t ldq, int64_t B
                            int64_t S, int64_t q_offset, int64_t window, const uint8_t *key_valid, float scale,
                            const uint8_t *hmask, uint16_t *out, int64_t *pairs, int64_t isa, int64_t nthreads) {
 #ifdef WIDE_AMX
-    if (!isa_ok(isa)) return -1;
+    if (isa == ISA_F32 || !isa_ok(isa)) return -1; /* bf16 only */
     if (B <= 0 || T <= 0 || H <= 0 || Hkv <= 0 || H % Hkv || d % 32 || d > 256 || S <= 0 || q_offset + T > S) return -1;
     if (nthreads != c->pool.n) pool_resize(&c->pool, nthreads);
     const int64_t Sp = (S + 31) / 32 * 32;
@@ -753,4 +841,5 @@ int64_t wide_gather_attention(WCtx *c, const uint16_t *q, int64_t ldq, int64_t B
 #ifndef WIDE_AMX
 int64_t wide_amx_ready(void) { return 0; }
 int64_t wide_vdp_ready(void) { return 0; }
+int64_t wide_f32_ready(void) { return 0; }
 #endif

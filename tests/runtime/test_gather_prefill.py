@@ -171,7 +171,7 @@ def test_amx_can_be_turned_off(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3"])
-@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("p_skip", [0.0, 0.5, 1.0])
 def test_prefill_on_the_tiles_matches_reference(kind, weights, p_skip, routed_model, random_masks, monkeypatch, gather_isa):
     calls = []
@@ -197,10 +197,12 @@ def test_prefill_on_the_tiles_matches_reference(kind, weights, p_skip, routed_mo
     cpu = Runtime.from_model(model, backend="cpu", weight_format=weights)
     ref.forced = cpu.forced = forced
     want, got = ref.forward(ids, mask), cpu.forward(ids, mask)
-    if p_skip == 0.5:
+    if p_skip == 0.5 and (weights != "fp32" or cpu_gather.f32_ready()):
         assert {"rows", "acc", "ffn"} <= set(calls)
-    # both compute in bf16; they differ in summation order and where partial sums round
-    torch.testing.assert_close(got[mask], want[mask], atol=0.02 * float(want.abs().max()), rtol=0)
+    # bf16: both compute in bf16 and differ in summation order and where partial sums round;
+    # fp32: in summation order only
+    rel = 1e-5 if weights == "fp32" else 0.02
+    torch.testing.assert_close(got[mask], want[mask], atol=rel * float(want.abs().max()), rtol=0)
     assert cpu.stats.summary() == ref.stats.summary()
 
 
@@ -270,3 +272,47 @@ def test_an_unknown_isa_choice_is_named(monkeypatch):
     finally:
         monkeypatch.delenv("WIDE_CPU_GATHER")
         cpu_gather.isa.cache_clear()
+
+
+@pytest.mark.parametrize("M", [17, 100, 300])
+@pytest.mark.parametrize("p", [None, 0.0, 0.5, 1.0])
+def test_fp32_kernels_match_the_fp32_products(M, p, gather_isa):
+    if not cpu_gather.f32_ready():
+        pytest.skip("the fp32 gather kernels run where the bf16 ones run on AVX512-BF16 only")
+    G, g, D = 3, 64, 96
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, D, generator=gen)
+    mask = _mask(M, G, p, M + 2)
+    e = _expand(mask, M, G, g)
+    w = torch.randn(G * g, D, generator=gen)
+    out = torch.full((M, G * g), 7.0)
+    assert cpu_gather.rows(cpu_gather.pack_rows(w, torch.float32), x, out, mask, g)
+    want = x @ w.t()
+    torch.testing.assert_close(out[e.bool()], want[e.bool()], atol=1e-5 * float(want.abs().max()), rtol=0)
+    assert bool((out[~e.bool()] == 7.0).all())
+    a = torch.randn(M, G * g, generator=gen)
+    w_t = torch.randn(G * g, D, generator=gen)
+    acc = torch.zeros(M, D)
+    assert cpu_gather.acc(cpu_gather.pack_groups(w_t, g, torch.float32), a, acc, mask)
+    want = (a * e) @ w_t
+    torch.testing.assert_close(acc, want, atol=1e-5 * float(want.abs().max()), rtol=0)
+    wg, wu, wd = (torch.randn(G * g, D, generator=gen) / 8 for _ in range(3))
+    gu = cpu_proj.grouped_gate_up(wg, wu, g)
+    y = torch.empty(M, D)
+    P, Pd = cpu_gather.pack_rows(gu, torch.float32), cpu_gather.pack_groups(wd, g, torch.float32)  # wd: [G g, D]
+    assert cpu_gather.ffn(P, Pd, x, y, mask, "silu") is not None
+    want = (torch.nn.functional.silu(x @ wg.t()) * (x @ wu.t()) * e) @ wd
+    torch.testing.assert_close(y, want, atol=1e-5 * float(want.abs().max()) + 1e-6, rtol=0)
+
+
+def test_fp32_packing_is_its_tile_layout():
+    w = torch.arange(32 * 64, dtype=torch.float32).reshape(32, 64)
+    P = cpu_gather.pack_rows(w, torch.float32)
+    assert P.shape == (2, 4, 16, 16) and P.dtype == torch.float32
+    for nb, kb, k, c in [(0, 0, 0, 0), (1, 3, 15, 15), (0, 2, 5, 9)]:
+        assert P[nb, kb, k, c] == w[16 * nb + c, 16 * kb + k]
+    w_t = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
+    Pg = cpu_gather.pack_groups(w_t, 32, torch.float32)
+    assert Pg.shape == (2, 1, 2, 16, 16)
+    for j in range(2):
+        assert torch.equal(Pg[j], cpu_gather.pack_rows(w_t[j * 32 : (j + 1) * 32].t().contiguous(), torch.float32))

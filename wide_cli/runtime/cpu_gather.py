@@ -30,9 +30,12 @@ from wide_cli.runtime import cpu_native
 
 TILE_K = 32  # reduction channels of one tile row (bf16)
 TILE_N = 16  # output columns of one tile
+TILE_K_F32 = 16  # reduction channels of one fp32 tile (16 x 16 values: 1 KiB, as a bf16 tile)
 
 
-ISA_VDP, ISA_AMX = 1, 2  # what runs the kernels' block products: AVX512-BF16 (vdpbf16ps), AMX tiles
+# What runs the kernels' block products: AVX512-BF16 (vdpbf16ps), AMX tiles (both bf16), or
+# AVX-512 FMAs (fp32 activations and weights).
+ISA_VDP, ISA_AMX, ISA_F32 = 1, 2, 3
 ISA_NAMES = {"amx": ISA_AMX, "avx512": ISA_VDP}
 
 
@@ -56,28 +59,60 @@ def isa() -> int:
 
 
 def ready() -> bool:
-    """Whether the gather kernels run in this process (``isa`` is not 0)."""
+    """Whether the bf16 gather kernels run in this process (``isa`` is not 0)."""
     return isa() != 0
 
 
-def pack_rows(w: torch.Tensor) -> torch.Tensor:
-    """``w [N, K]`` (rows layout: ``y = x @ w^T``) -> bf16 ``[N / 16, K / 32, 16, 16, 2]``,
-    ``P[nb, kb, kp, c, p] = w[16 nb + c, 32 kb + 2 kp + p]`` (the tile layout of
-    ``kernels/cpu_prefill_gather.c``). Raises ValueError unless N % 16 == 0 and K % 32 == 0."""
+def f32_ready() -> bool:
+    """Whether the fp32 gather kernels (AVX-512 FMA, ``ISA_F32``) run in this process: where the
+    bf16 ones run on AVX512-BF16 (``isa() == ISA_VDP``), the CPUs they were measured on (against
+    PyTorch's fp32 GEMMs, 1.21x / 1.37x on a dense SmolLM2-135M FFN of 128 / 1,024 tokens, Zen 4,
+    1 thread); on AMX CPUs fp32 prefill stays on PyTorch (not measured there)."""
+    return isa() == ISA_VDP and bool(cpu_native.library().wide_f32_ready())
+
+
+def runs(dtype: torch.dtype) -> bool:
+    """Whether the gather kernels run activations of ``dtype`` here (bf16: ``ready``; fp32:
+    ``f32_ready``)."""
+    return ready() if dtype == torch.bfloat16 else f32_ready() if dtype == torch.float32 else False
+
+
+def _call_isa(dtype: torch.dtype) -> int:
+    return ISA_F32 if dtype == torch.float32 else isa()
+
+
+def _tile_k(packed: torch.Tensor) -> int:
+    """Reduction channels of one packed tile: 32 bf16 pairs' worth, or 16 fp32 values."""
+    return TILE_K_F32 if packed.dtype == torch.float32 else TILE_K
+
+
+def pack_rows(w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``w [N, K]`` (rows layout: ``y = x @ w^T``) in the tile layout of
+    ``kernels/cpu_prefill_gather.c``: bf16 ``[N / 16, K / 32, 16, 16, 2]``,
+    ``P[nb, kb, kp, c, p] = w[16 nb + c, 32 kb + 2 kp + p]``; fp32 (``dtype``) ``[N / 16, K / 16,
+    16, 16]``, ``P[nb, kb, k, c] = w[16 nb + c, 16 kb + k]`` (1 KiB tiles either way). Raises
+    ValueError unless N % 16 == 0 and K % 32 == 0."""
     N, K = w.shape
     if N % TILE_N or K % TILE_K:
         raise ValueError(f"tile packing needs N % {TILE_N} == 0 and K % {TILE_K} == 0, got [{N}, {K}]")
+    if dtype == torch.float32:
+        v = w.to(torch.float32).reshape(N // TILE_N, TILE_N, K // TILE_K_F32, TILE_K_F32)
+        return v.permute(0, 2, 3, 1).contiguous()
     v = w.to(torch.bfloat16).reshape(N // TILE_N, TILE_N, K // TILE_K, TILE_K // 2, 2)
     return v.permute(0, 2, 3, 1, 4).contiguous()
 
 
-def pack_groups(w_t: torch.Tensor, g: int) -> torch.Tensor:
+def pack_groups(w_t: torch.Tensor, g: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """An axis-k projection ``w_t [K, N]`` (``y = a @ w_t``, ``K = G g`` reduction channels in
-    groups of ``g``) -> bf16 ``[G, N / 16, g / 32, 16, 16, 2]``: each group's ``[N, g]`` slice
-    packed as ``pack_rows``. Raises ValueError unless N % 16 == 0 and g % 32 == 0."""
+    groups of ``g``) -> each group's ``[N, g]`` slice packed as ``pack_rows``: bf16
+    ``[G, N / 16, g / 32, 16, 16, 2]``, fp32 ``[G, N / 16, g / 16, 16, 16]``. Raises ValueError
+    unless N % 16 == 0 and g % 32 == 0."""
     K, N = w_t.shape
     if N % TILE_N or g % TILE_K or K % g:
         raise ValueError(f"tile packing needs N % {TILE_N} == 0, g % {TILE_K} == 0 and K % g == 0, got [{K}, {N}], g={g}")
+    if dtype == torch.float32:
+        v = w_t.to(torch.float32).reshape(K // g, g // TILE_K_F32, TILE_K_F32, N // TILE_N, TILE_N)
+        return v.permute(0, 3, 1, 2, 4).contiguous()
     v = w_t.to(torch.bfloat16).reshape(K // g, g // TILE_K, TILE_K // 2, 2, N // TILE_N, TILE_N)
     return v.permute(0, 4, 1, 2, 5, 3).contiguous()
 
@@ -93,9 +128,10 @@ def _mask_arg(mask: torch.Tensor | None, M: int, G: int) -> tuple[int | None, in
     return m.data_ptr(), G, m
 
 
-def _check_x(x: torch.Tensor, K: int) -> None:
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] < K or x.stride(1) != 1:
-        raise ValueError(f"activations {tuple(x.shape)} {x.dtype}, expected [M, >= {K}] bf16 with unit stride")
+def _check_x(x: torch.Tensor, K: int, packed: torch.Tensor) -> None:
+    dt = packed.dtype
+    if x.dtype != dt or x.dim() != 2 or x.shape[1] < K or x.stride(1) != 1:
+        raise ValueError(f"activations {tuple(x.shape)} {x.dtype}, expected [M, >= {K}] {dt} with unit stride")
 
 
 def rows(packed: torch.Tensor, x: torch.Tensor, out: torch.Tensor, mask: torch.Tensor | None, group_rows: int,
@@ -105,51 +141,51 @@ def rows(packed: torch.Tensor, x: torch.Tensor, out: torch.Tensor, mask: torch.T
     of ``out`` are left as they are.
 
     Args:
-        packed: ``[N / 16, K / 32, 16, 16, 2]`` bf16 (a row range of a packed projection is a
+        packed: ``pack_rows``'s bf16 or fp32 tiles (a row range of a packed projection is a
             slice of its first dimension).
-        x: ``[M, K]`` bf16. out: ``[M, N]`` fp32 or bf16, unit inner stride.
+        x: ``[M, K]`` in ``packed``'s dtype. out: ``[M, N]`` fp32 or bf16, unit inner stride.
         mask: ``[M, N / r]`` bool, or None (every token, every group).
         bias: fp32 ``[N]`` or None.
     Returns:
         False when the kernel cannot take the operands (nothing written): the caller runs PyTorch.
     """
-    N, K = packed.shape[0] * TILE_N, packed.shape[1] * TILE_K
+    N, K = packed.shape[0] * TILE_N, packed.shape[1] * _tile_k(packed)
     M = x.shape[0]
-    _check_x(x, K)
+    _check_x(x, K, packed)
     if N % group_rows or out.shape != (M, N) or out.stride(1) != 1 or out.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out {tuple(out.shape)} for {M} tokens x {N} rows in groups of {group_rows}")
     G = N // group_rows
-    if not ready():  # the tile state is the OS's to grant (ready asks for it once)
+    if not runs(x.dtype):  # the tile state is the OS's to grant (ready asks for it once)
         return False
     mp, ms, _keep = _mask_arg(mask, M, G)
     b = None if bias is None else bias.to(torch.float32).contiguous()
     lib = cpu_native.library()
     rc = lib.wide_gather_proj(cpu_native.context(lib), 0, packed.data_ptr(), N, K, G, group_rows, x.data_ptr(), x.stride(0),
                            M, mp, ms, out.data_ptr(), out.stride(0), 0 if out.dtype == torch.float32 else 1,
-                           None if b is None else b.data_ptr(), isa(), torch.get_num_threads())  # fmt: skip
+                           None if b is None else b.data_ptr(), _call_isa(x.dtype), torch.get_num_threads())  # fmt: skip
     return rc == 0
 
 
 def acc(packed: torch.Tensor, a: torch.Tensor, out: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """``out[t] += a[t, j g : (j + 1) g] @ W_j`` for the groups ``j`` token ``t`` executes
-    (``packed`` from ``pack_groups``: ``[G, N / 16, g / 32, 16, 16, 2]``).
+    (``packed`` from ``pack_groups``, bf16 or fp32).
 
     Args:
-        a: ``[M, G g]`` bf16. out: ``[M, N]`` fp32, unit inner stride. mask: ``[M, G]`` bool or None.
+        a: ``[M, G g]`` in ``packed``'s dtype. out: ``[M, N]`` fp32, unit inner stride. mask: ``[M, G]`` bool or None.
     Returns:
         False when the kernel cannot take the operands (nothing written).
     """
-    G, N, g = packed.shape[0], packed.shape[1] * TILE_N, packed.shape[2] * TILE_K
+    G, N, g = packed.shape[0], packed.shape[1] * TILE_N, packed.shape[2] * _tile_k(packed)
     M = a.shape[0]
-    _check_x(a, G * g)
+    _check_x(a, G * g, packed)
     if out.shape != (M, N) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype}, expected [{M}, {N}] fp32")
-    if not ready():
+    if not runs(a.dtype):
         return False
     mp, ms, _keep = _mask_arg(mask, M, G)
     lib = cpu_native.library()
     rc = lib.wide_gather_proj(cpu_native.context(lib), 1, packed.data_ptr(), N, G * g, G, g, a.data_ptr(), a.stride(0), M,
-                           mp, ms, out.data_ptr(), out.stride(0), 0, None, isa(), torch.get_num_threads())  # fmt: skip
+                           mp, ms, out.data_ptr(), out.stride(0), 0, None, _call_isa(a.dtype), torch.get_num_threads())  # fmt: skip
     return rc == 0
 
 
@@ -157,12 +193,12 @@ def ffn(packed_gu: torch.Tensor, packed_down: torch.Tensor, x: torch.Tensor, out
         mask: torch.Tensor | None, act: str = "silu") -> int | None:
     """The routed gated FFN: ``out[t] = sum_j act(x[t] @ gate_j^T) * (x[t] @ up_j^T) @ down_j``
     over the groups ``j`` token ``t`` executes, the gated activations rounded to bf16 between the
-    products.
+    products (kept in fp32 for fp32 operands).
 
     Args:
         packed_gu: ``pack_rows`` of the grouped gate/up rows ``[G 2 g, D]``
             (``cpu_proj.grouped_gate_up``). packed_down: ``pack_groups(down_t, g)``.
-        x: ``[M, D]`` bf16. out: ``[M, D]`` fp32, every row written. mask: ``[M, G]`` bool or
+        x: ``[M, D]`` in the packed weights' dtype (bf16 or fp32). out: ``[M, D]`` fp32, every row written. mask: ``[M, G]`` bool or
             None. act: ``silu`` (SwiGLU) or ``gelu_tanh``.
     Returns:
         The multiply-adds executed (the gate/up products of the executed pairs; the down product
@@ -170,21 +206,22 @@ def ffn(packed_gu: torch.Tensor, packed_down: torch.Tensor, x: torch.Tensor, out
         with zeros for the block's skipped pairs: ``kernels/cpu_prefill_gather.c`` says why), or
         None when the kernel cannot take the operands (nothing written).
     """
-    G, D, g = packed_down.shape[0], packed_down.shape[1] * TILE_N, packed_down.shape[2] * TILE_K
+    tk = _tile_k(packed_down)
+    G, D, g = packed_down.shape[0], packed_down.shape[1] * TILE_N, packed_down.shape[2] * tk
     M = x.shape[0]
-    _check_x(x, D)
-    if packed_gu.shape[0] * TILE_N != 2 * G * g or packed_gu.shape[1] * TILE_K != D:
+    _check_x(x, D, packed_down)
+    if packed_gu.dtype != packed_down.dtype or packed_gu.shape[0] * TILE_N != 2 * G * g or packed_gu.shape[1] * tk != D:
         raise ValueError(f"gate/up {tuple(packed_gu.shape)} does not match down {tuple(packed_down.shape)}")
     if out.shape != (M, D) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out {tuple(out.shape)} {out.dtype}, expected contiguous [{M}, {D}] fp32")
-    if act not in ("silu", "gelu_tanh") or not ready():
+    if act not in ("silu", "gelu_tanh") or not runs(x.dtype):
         return None
     mp, ms, _keep = _mask_arg(mask, M, G)
     lib = cpu_native.library()
     macs = ctypes.c_int64(0)
     rc = lib.wide_gather_ffn(cpu_native.context(lib), packed_gu.data_ptr(), packed_down.data_ptr(), D, G, g, x.data_ptr(),
                           x.stride(0), M, mp, ms, int(act == "gelu_tanh"), out.data_ptr(), ctypes.byref(macs),
-                          isa(), torch.get_num_threads())  # fmt: skip
+                          _call_isa(x.dtype), torch.get_num_threads())  # fmt: skip
     return macs.value if rc == 0 else None
 
 

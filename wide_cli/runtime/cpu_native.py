@@ -210,6 +210,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.wide_gemm_simd.restype = _I64
     lib.wide_amx_ready.restype = _I64
     lib.wide_vdp_ready.restype = _I64
+    lib.wide_f32_ready.restype = _I64
     lib.wide_gather_proj.restype = _I64
     lib.wide_gather_proj.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _I64, _I64, _P,
                                   _I64, _I64]  # fmt: skip

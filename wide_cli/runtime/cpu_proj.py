@@ -49,6 +49,8 @@ def prefill_path(dtype: torch.dtype, routed: bool = False) -> str:
     FFN too) or ``torch``."""
     if dtype == torch.bfloat16 and (cpu_gather.isa() == cpu_gather.ISA_VDP or (routed and cpu_gather.ready())):
         return "native"
+    if dtype == torch.float32 and cpu_gather.f32_ready():  # the dense FFN and routed projections
+        return "native"
     return "native" if dtype in _native_dtypes() and cpu_native.gemm_library() is not None else "torch"
 
 
@@ -140,16 +142,18 @@ class Proj:
         return sum(t.numel() * t.element_size() for t in ts)
 
     def packed(self) -> torch.Tensor | None:
-        """The bf16 weights packed for the AMX prefill kernels (``cpu_gather.pack_rows`` for axis
-        ``n``, ``cpu_gather.pack_groups`` for axis ``k``), packed on the first call of a process that
-        can run them (a bf16 copy beside the projection's weights: the PyTorch path and the decode
-        step keep reading those); None where they do not run: no AMX, fp32, or a width off the
-        tile multiples (16 rows, 32 reduction channels)."""
+        """The weights packed for the gather prefill kernels in the compute dtype
+        (``cpu_gather.pack_rows`` for axis ``n``, ``cpu_gather.pack_groups`` for axis ``k``),
+        packed on the first call of a process that can run them (a copy beside the projection's
+        weights: the PyTorch path and the decode step keep reading those); None where they do not
+        run (``cpu_gather.runs``), or for a width off the tile multiples (16 rows, 32 reduction
+        channels)."""
         if self._packed is None:
             self._packed = False
-            if self.dtype == torch.bfloat16 and cpu_gather.ready():
+            if cpu_gather.runs(self.dtype):
                 try:
-                    self._packed = cpu_gather.pack_rows(self.w) if self.axis == "n" else cpu_gather.pack_groups(self.w_t, self.g)
+                    self._packed = (cpu_gather.pack_rows(self.w, self.dtype) if self.axis == "n"
+                                    else cpu_gather.pack_groups(self.w_t, self.g, self.dtype))  # fmt: skip
                 except ValueError:
                     pass
         return self._packed if self._packed is not False else None
@@ -215,15 +219,15 @@ def _gather_routed(p: Proj, a: torch.Tensor, mask: torch.Tensor) -> bool:
     """Whether a routed prefill call on ``p`` runs on the AMX kernels (``cpu_gather``): bf16
     activations, no byte tracing (the kernels do not report spans), a packed copy of ``p``, and a
     mask sparse enough to gain from gathering (``cpu_plan.gather_pays``)."""
-    return (a.dtype == torch.bfloat16 and p.counter.trace is None and p.packed() is not None
-            and gather_pays(mask, cpu_gather.isa() == cpu_gather.ISA_AMX))  # fmt: skip
+    return (a.dtype == p.dtype and p.counter.trace is None and p.packed() is not None
+            and gather_pays(mask, a.dtype == torch.bfloat16 and cpu_gather.isa() == cpu_gather.ISA_AMX))  # fmt: skip
 
 
 def _vdp_dense(p: Proj, a: torch.Tensor) -> bool:
-    """Whether a dense bf16 FFN call on ``p`` runs on the gather kernels: on AVX512-BF16 without
-    AMX, where the fused FFN kernel ran 1.08-1.26x PyTorch's dense GEMMs (``cpu_plan``'s
-    measurements; on AMX, oneDNN's tiles stay)."""
-    return (a.dtype == torch.bfloat16 and p.counter.trace is None and cpu_gather.isa() == cpu_gather.ISA_VDP
+    """Whether a dense FFN call on ``p`` runs on the gather kernels: on AVX512-BF16 without AMX,
+    where the fused FFN kernel ran 1.08-1.26x PyTorch's dense bf16 GEMMs and 1.21-1.37x its fp32
+    ones (``cpu_plan``'s and ``cpu_gather.f32_ready``'s measurements; on AMX, oneDNN stays)."""
+    return (a.dtype == p.dtype and p.counter.trace is None and cpu_gather.isa() == cpu_gather.ISA_VDP
             and p.packed() is not None)  # fmt: skip
 
 
