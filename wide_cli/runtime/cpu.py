@@ -45,7 +45,8 @@ inside the kernel, the FFN's intermediate activations kept per group. On AMX it 
 ``cpu_plan.AMX_DENSE_MASKED_FRACTION`` (90 %) of the pairs and otherwise runs PyTorch's dense
 GEMMs (oneDNN on the tiles) and the mask; with AVX512-BF16 only it gathers whenever a pair is
 skipped, and runs the dense FFN too, where it measured faster than oneDNN
-(``cpu_plan.VDP_DENSE_MASKED_FRACTION``). There bf16 prefill's RMSNorm, RoPE and residual +
+(``cpu_plan.VDP_DENSE_MASKED_FRACTION``), and fp32 prefill's projections and FFN likewise on
+fp32 FMAs (``cpu_gather.f32_ready``). There bf16 prefill's RMSNorm, RoPE and residual +
 stand-ins run natively too (``runtime/cpu_prefill.py``). ``WIDE_CPU_GATHER=off`` keeps every call
 on the paths of this module.
 

@@ -14,8 +14,9 @@ layout, which is also ``vdpbf16ps``'s operand order). Activations are bf16 (the 
 the bf16, int8 and int4 formats: int8 / int4 prefill multiplies the dequantized bf16 copy, as the
 PyTorch path does), products accumulate in fp32.
 
-``WIDE_CPU_GATHER`` = ``auto`` | ``amx`` | ``avx512`` | ``off`` chooses (``isa``); ``off`` runs the
-PyTorch path, as on CPUs with neither ISA.
+Where the bf16 kernels run on AVX512-BF16, the same kernels also run fp32 prefill (fp32 weights
+packed in fp32 tiles, AVX-512 FMAs: ``f32_ready``). ``WIDE_CPU_GATHER`` = ``auto`` | ``amx`` |
+``avx512`` | ``off`` chooses (``isa``); ``off`` runs the PyTorch path, as on CPUs with neither ISA.
 """
 
 from __future__ import annotations
