@@ -12,7 +12,8 @@
 # SECTIONS=amx runs only the runs of the first section of bench-cpu.md (a CPU with AMX: prefill of
 # 128 / 1,024 / 4,096 tokens, decode batches and llama.cpp on both exports, 1 and 2 threads);
 # SECTIONS=avx512 the same two exports with llama.cpp Q8_0 / Q4_0 beside them (a CPU with AVX-512
-# VNNI / BF16 and no AMX: prefill 128 / 1,024, decode batches of 1, 4 and 16 rows, 1 and 2 threads);
+# VNNI / BF16 and no AMX: prefill 128 / 1,024, decode batches of 1, 4 and 16 rows, 1 and 2 threads;
+# then prefill of 4,096 tokens with HF and the runtime);
 # SECTIONS=rest the others; the default runs amx and rest.
 # Run it on a quiet machine: the 2-thread rows measure whatever else holds a core.
 set -euo pipefail
@@ -42,6 +43,8 @@ if [[ $sections == *avx512* ]]; then
     $wide bench "${e%%:*}" --systems hf,dense,cpu,llama.cpp --weights fp32,bf16,int8,int4 --llama-cpp-types Q8_0,Q4_0 \
       --prefill-lengths 128,1024 --decode-batches 1,4,16 --new-tokens 32 --decode-prompt-len 64 --threads 1,2 \
       --json-out "$out/bench-cpu-avx512-${e##*:}.json"
+    $wide bench "${e%%:*}" --systems hf,dense,cpu --weights fp32,bf16,int8,int4 --prefill-lengths 4096 --decode-batches 1 \
+      --new-tokens 8 --decode-prompt-len 64 --threads 1,2 --json-out "$out/bench-cpu-avx512-prefill4k-${e##*:}.json"
   done
 fi
 [[ $sections == *rest* ]] || exit 0
