@@ -176,40 +176,6 @@ VDP_TARGET static inline __attribute__((always_inline)) void vdp_rows(const uint
     }
 }
 
-/* amx_block on vdpbf16ps: C[r][0..32) (row stride ldc) = A[r] . [P0 | P1] for r < nrows rounded up
- * to VDP_MR (A must hold those rows); with P1 NULL only columns 0..16 are written. */
-VDP_TARGET static void vdp_block(const uint16_t *A, int64_t lda, const uint16_t *P0, const uint16_t *P1, int64_t KB,
-                                 float *C, int64_t ldc, int64_t nrows) {
-    for (int64_t r0 = 0; r0 < nrows; r0 += VDP_MR) {
-        __m512 acc0[VDP_MR], acc1[VDP_MR];
-        for (int r = 0; r < VDP_MR; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
-        vdp_rows(A + r0 * lda, lda, P0, P1, KB, acc0, acc1);
-        for (int r = 0; r < VDP_MR; r++) {
-            _mm512_storeu_ps(C + (r0 + r) * ldc, acc0[r]);
-            if (P1) _mm512_storeu_ps(C + (r0 + r) * ldc + 16, acc1[r]);
-        }
-    }
-}
-
-/* amx_down_block on vdpbf16ps (same arguments, rows < nrows rounded up to VDP_MR). */
-VDP_TARGET static void vdp_down_block(const uint16_t *H, int64_t ldh, const uint16_t *Pd, int64_t D, int64_t g,
-                                      const int64_t *live, int64_t nl, int64_t c, int two, float *C, int64_t ldc,
-                                      int64_t nrows) {
-    const int64_t HB = g / 32, per = (D / 16) * HB * 512;
-    for (int64_t r0 = 0; r0 < nrows; r0 += VDP_MR) {
-        __m512 acc0[VDP_MR], acc1[VDP_MR];
-        for (int r = 0; r < VDP_MR; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < nl; i++) {
-            const uint16_t *P0 = Pd + live[i] * per + (c / 16) * HB * 512;
-            vdp_rows(H + r0 * ldh + live[i] * g, ldh, P0, two ? P0 + HB * 512 : NULL, HB, acc0, acc1);
-        }
-        for (int r = 0; r < VDP_MR; r++) {
-            _mm512_storeu_ps(C + (r0 + r) * ldc, acc0[r]);
-            if (two) _mm512_storeu_ps(C + (r0 + r) * ldc + 16, acc1[r]);
-        }
-    }
-}
-
 /* The fp32 products (ISA_F32: AVX-512 FMA, any AVX-512 CPU) on fp32 weights packed in 1 KiB
  * tiles of 16 columns x 16 reduction channels, P[nb][kb][k][c] = W[16 nb + c][16 kb + k], and fp32
  * activations: the jobs count activations and tiles in 16-bit units, so an fp32 row of K values
@@ -238,13 +204,16 @@ VDP_TARGET static inline __attribute__((always_inline)) void fma_rows(const floa
     }
 }
 
-/* vdp_block on fp32 (A: fp32 rows lda values apart; KB tiles of 16 channels). */
-VDP_TARGET static void fma_block(const float *A, int64_t lda, const uint16_t *P0, const uint16_t *P1, int64_t KB,
-                                 float *C, int64_t ldc, int64_t nrows) {
+/* amx_block on vdpbf16ps (f32 = 0) or fp32 FMAs (f32 = 1; A then fp32 rows lda values apart, KB
+ * tiles of 16 channels): C[r][0..32) (row stride ldc) = A[r] . [P0 | P1] for r < nrows rounded up
+ * to VDP_MR (A must hold those rows); with P1 NULL only columns 0..16 are written. */
+VDP_TARGET static void vdp_block(int f32, const uint16_t *A, int64_t lda, const uint16_t *P0, const uint16_t *P1,
+                                 int64_t KB, float *C, int64_t ldc, int64_t nrows) {
     for (int64_t r0 = 0; r0 < nrows; r0 += VDP_MR) {
         __m512 acc0[VDP_MR], acc1[VDP_MR];
         for (int r = 0; r < VDP_MR; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
-        fma_rows(A + r0 * lda, lda, (const float *)P0, (const float *)P1, KB, acc0, acc1);
+        if (f32) fma_rows((const float *)A + r0 * lda, lda, (const float *)P0, (const float *)P1, KB, acc0, acc1);
+        else vdp_rows(A + r0 * lda, lda, P0, P1, KB, acc0, acc1);
         for (int r = 0; r < VDP_MR; r++) {
             _mm512_storeu_ps(C + (r0 + r) * ldc, acc0[r]);
             if (P1) _mm512_storeu_ps(C + (r0 + r) * ldc + 16, acc1[r]);
@@ -252,17 +221,19 @@ VDP_TARGET static void fma_block(const float *A, int64_t lda, const uint16_t *P0
     }
 }
 
-/* vdp_down_block on fp32 (H: fp32 rows ldh values apart). */
-VDP_TARGET static void fma_down_block(const float *H, int64_t ldh, const uint16_t *Pd, int64_t D, int64_t g,
-                                      const int64_t *live, int64_t nl, int64_t c, int two, float *C, int64_t ldc,
-                                      int64_t nrows) {
-    const int64_t HB = g / 16, per = (D / 16) * HB * 512;
+/* amx_down_block on vdpbf16ps or fp32 FMAs (f32 as vdp_block; H in elements of that dtype, ldh
+ * of them per row; rows < nrows rounded up to VDP_MR). */
+VDP_TARGET static void vdp_down_block(int f32, const uint16_t *H, int64_t ldh, const uint16_t *Pd, int64_t D,
+                                      int64_t g, const int64_t *live, int64_t nl, int64_t c, int two, float *C,
+                                      int64_t ldc, int64_t nrows) {
+    const int64_t HB = g / (f32 ? 16 : 32), per = (D / 16) * HB * 512;
     for (int64_t r0 = 0; r0 < nrows; r0 += VDP_MR) {
         __m512 acc0[VDP_MR], acc1[VDP_MR];
         for (int r = 0; r < VDP_MR; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
         for (int64_t i = 0; i < nl; i++) {
-            const float *P0 = (const float *)(Pd + live[i] * per + (c / 16) * HB * 512);
-            fma_rows(H + r0 * ldh + live[i] * g, ldh, P0, two ? P0 + HB * 256 : NULL, HB, acc0, acc1);
+            const uint16_t *P0 = Pd + live[i] * per + (c / 16) * HB * 512, *P1 = two ? P0 + HB * 512 : NULL;
+            if (f32) fma_rows((const float *)H + r0 * ldh + live[i] * g, ldh, (const float *)P0, (const float *)P1, HB, acc0, acc1);
+            else vdp_rows(H + r0 * ldh + live[i] * g, ldh, P0, P1, HB, acc0, acc1);
         }
         for (int r = 0; r < VDP_MR; r++) {
             _mm512_storeu_ps(C + (r0 + r) * ldc, acc0[r]);
@@ -276,8 +247,7 @@ VDP_TARGET static void fma_down_block(const float *H, int64_t ldh, const uint16_
 AMX_TARGET static inline void job_block(int64_t isa, const uint16_t *A, int64_t lda, const uint16_t *P0,
                                         const uint16_t *P1, int64_t KB, float *C, int64_t ldc, int64_t nrows) {
     if (isa == ISA_AMX) amx_block(A, lda, P0, P1, KB, C); /* ldc is 32 there */
-    else if (isa == ISA_VDP) vdp_block(A, lda, P0, P1, KB, C, ldc, nrows);
-    else fma_block((const float *)A, lda / 2, P0, P1, KB, C, ldc, nrows);
+    else vdp_block(isa == ISA_F32, A, isa == ISA_F32 ? lda / 2 : lda, P0, P1, KB, C, ldc, nrows);
 }
 
 AMX_TARGET static void amx_down_block(const uint16_t *H, int64_t ldh, const uint16_t *Pd, int64_t D, int64_t g,
@@ -289,8 +259,7 @@ AMX_TARGET static inline void job_down_block(int64_t isa, const uint16_t *H, int
                                              int64_t D, int64_t g, const int64_t *live, int64_t nl, int64_t c, int two,
                                              float *C, int64_t ldc, int64_t nrows) {
     if (isa == ISA_AMX) amx_down_block(H, ldh, Pd, D, g, live, nl, c, two, C, ldc);
-    else if (isa == ISA_VDP) vdp_down_block(H, ldh, Pd, D, g, live, nl, c, two, C, ldc, nrows);
-    else fma_down_block((const float *)H, ldh, Pd, D, g, live, nl, c, two, C, ldc, nrows);
+    else vdp_down_block(isa == ISA_F32, H, ldh, Pd, D, g, live, nl, c, two, C, ldc, nrows);
 }
 
 /* Per-part scratch of the AMX jobs. */
@@ -637,7 +606,7 @@ AMX_TARGET static void amx_attn_job(void *arg, int64_t part, int64_t parts) {
             /* scores [32 q][32 keys] = Q K^T (the key tiles of the block: packed weights of 16 keys) */
             const uint16_t *k0p = kp + (k0 / 16) * DC * 512;
             if (j->isa == ISA_AMX) amx_block(qa, d, k0p, k0p + DC * 512, DC, sc);
-            else vdp_block(qa, d, k0p, k0p + DC * 512, DC, sc, 32, nrow);
+            else vdp_block(0, qa, d, k0p, k0p + DC * 512, DC, sc, 32, nrow);
             /* visibility of the block's keys per query row: causal, window, valid slots */
             uint32_t valid = 0xffffffffu;
             if (kval) {
@@ -678,7 +647,7 @@ AMX_TARGET static void amx_attn_job(void *arg, int64_t part, int64_t parts) {
             for (int64_t db = 0; db < DB; db += 2) {
                 const uint16_t *v0p = vp + ((k0 / 32) * DB + db) * 512;
                 if (j->isa == ISA_AMX) amx_block(pa, 32, v0p, v0p + 512, 1, pv);
-                else vdp_block(pa, 32, v0p, v0p + 512, 1, pv, 32, nrow);
+                else vdp_block(0, pa, 32, v0p, v0p + 512, 1, pv, 32, nrow);
                 for (int64_t r = 0; r < nrow; r++) {
                     float *orow = o + r * d + db * 16;
                     _mm512_store_ps(orow, _mm512_add_ps(_mm512_load_ps(orow), _mm512_load_ps(pv + r * 32)));
