@@ -16,6 +16,8 @@ TINY = ["--steps", "3", "--seq-len", "32", "--batch-size", "2", "--ffn-group-siz
 
 METHODS = {
     "hybrid-standins": ["--method", "wide", "--attn-group-size", "1", "--drop-layers", "1", "--standin", "trained"],
+    "wide-standardized": ["--method", "wide", "--attn-group-size", "1", "--router-input", "standardized",
+                          "--standin", "trained"],
     "wide-lowrank": ["--method", "wide", "--attn-group-size", "2", "--standin", "lowrank:4"],
     "dynamic-depth": ["--method", "dynamic-depth"],
     "static-width": ["--method", "static-width", "--sparsity", "0.5", "--attn-group-size", "1"],

@@ -267,3 +267,64 @@ def standin_vectors(stats: GroupStatistics, model, module: str, group_size: int)
         m = mean[i].float()
         out.append(torch.stack([W[:, g * unit:(g + 1) * unit] @ m[g * unit:(g + 1) * unit] for g in range(G)]))
     return torch.stack(out)
+
+
+def router_input_moments(model, batches: torch.Tensor, *, batch_size: int = 4, max_batches: int | None = None
+                         ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Per-channel mean and standard deviation of what each router reads, on the dense model.
+
+    The attention router reads the layer's input residual stream (what ``input_layernorm``
+    normalises), the FFN router the residual after the attention block (what the FFN's input norm,
+    ``pre_feedforward_layernorm`` with sandwich norms, else ``post_attention_layernorm``, normalises).
+    Routing is switched off for the pass (``RoutingState`` mode ``dense``), so the moments are the
+    dense model's.
+
+    Args:
+        model: a routed model (``attach_routers``; a PEFT wrapper is fine).
+        batches: ``[N, T]`` int64 token ids. batch_size / max_batches: as ``calibration_pass``.
+
+    Returns:
+        ``{(layer, module): (mean [D], std [D])}`` fp32 for every layer and ``ROUTED_MODULES``
+        module; ``std`` is floored at 1e-6 of its largest channel (a constant channel carries no
+        information, and must not divide by zero).
+
+    Raises:
+        ConfigError: no tokens in ``batches``.
+    """
+    from wide_cli.routing.model import decoder_layers
+
+    layers = decoder_layers(model)
+    sums: dict[tuple[int, str], list[torch.Tensor]] = {}
+
+    def hook(key):
+        def fn(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            s = sums.setdefault(key, [torch.zeros(x.shape[-1], dtype=torch.float64),
+                                      torch.zeros(x.shape[-1], dtype=torch.float64)])
+            s[0] += x.sum(0).cpu()
+            s[1] += (x * x).sum(0).cpu()
+
+        return fn
+
+    hooks = []
+    for i, layer in enumerate(layers):
+        ffn_norm = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
+        hooks += [(layer.input_layernorm, hook((i, "attention"))), (ffn_norm, hook((i, "ffn")))]
+    state = getattr(model, "wide_routing", None)
+    mode = state.mode if state is not None else None
+    if state is not None:
+        state.set_mode("dense")
+    try:
+        tokens = calibration_pass(model, batches, hooks, batch_size=batch_size, max_batches=max_batches)
+    finally:
+        if state is not None:
+            state.set_mode(mode)
+    if tokens == 0:
+        raise ConfigError("no tokens reached the router input statistics", "give the run training data")
+    out = {}
+    for key, (s1, s2) in sums.items():
+        mean = s1 / tokens
+        std = (s2 / tokens - mean * mean).clamp_min(0.0).sqrt()
+        std = std.clamp_min(1e-6 * float(std.max().clamp_min(1e-30)))
+        out[key] = (mean.float(), std.float())
+    return out

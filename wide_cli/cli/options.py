@@ -39,6 +39,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "attn_group_size": ("routing", "attn_group_size"),
     "ffn_group_size": ("routing", "ffn_group_size"),
     "router_rank": ("routing", "router_rank"),
+    "router_input": ("routing", "router_input"),
     "tau_start": ("routing", "tau_start"),
     "tau_end": ("routing", "tau_end"),
     "cost_target": ("routing", "cost_target"),
@@ -99,6 +100,7 @@ SparsityFfn = Annotated[float | None, typer.Option("--sparsity-ffn", help="Per-m
 SparsityWeight = Annotated[float | None, typer.Option("--sparsity-weight", help="lambda of the sparsity loss (default 20).")]
 AttnGroup = Annotated[int | None, typer.Option("--attn-group-size", help="Query heads per attention group (divides H; default: heads per KV head, one group per KV head).")]
 FfnGroup = Annotated[int | None, typer.Option("--ffn-group-size", help="FFN channels per group (divides the intermediate size).")]
+RouterInput = Annotated[str | None, typer.Option("--router-input", help="What each router reads: residual (the residual stream, default) | standardized (the residual standardised per channel by its calibration mean and std; for residual streams of Gemma 3's scale; folded into the export's routers).")]
 RouterRank = Annotated[int | None, typer.Option("--router-rank", help="Router bottleneck rank r (default 32).")]
 TauStart = Annotated[float | None, typer.Option("--tau-start", help="Gumbel temperature at the first step (default 5.0).")]
 TauEnd = Annotated[float | None, typer.Option("--tau-end", help="Gumbel temperature at the last step (default 0.5).")]

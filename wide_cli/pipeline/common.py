@@ -72,9 +72,12 @@ def stage_identity(settings: Settings, loaded, *, stage: str) -> dict:
     """What a stage's checkpoint (``train_stage``'s ``identity``) is tied to: the model, the
     routing and training maths, the data and the router init (plus the LoRA settings for
     ``stage2``); resuming with a different identity is refused."""
+    routing = settings.routing.to_dict()
+    if routing.get("router_input") == "residual":  # checkpoints from before the setting read the residual too
+        del routing["router_input"]
     ident = {
         "model": model_identity(loaded),
-        "routing": settings.routing.to_dict(),
+        "routing": routing,
         "train": settings.train.math_dict(),
         "data": settings.data.train,
         "router_init": settings.run.router_init,

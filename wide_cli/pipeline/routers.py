@@ -61,6 +61,27 @@ def init_routers_from_statistics(model, stats, target: SkipTarget | None = None,
                 r.router.bias.copy_(bias[i].to(r.router.bias.dtype))
 
 
+#: Forward passes (of ``eval.batch_size`` training sequences) the router input moments are taken on.
+ROUTER_INPUT_BATCHES = 16
+
+
+def standardize_router_inputs(model, sequences: torch.Tensor, *, batch_size: int = 4) -> None:
+    """``router_input = "standardized"``: every learned router reads its input standardised by the
+    dense model's per-channel moments on ``sequences`` (``[N, T]`` int64 training tokens, the first
+    ``ROUTER_INPUT_BATCHES`` forward passes; ``Router.standardize_input``). Deterministic in the
+    tokens, so a resumed run sets the same moments before its checkpoint is loaded."""
+    from wide_cli.calibrate.statistics import router_input_moments
+    from wide_cli.routing.model import decoder_layers
+    from wide_cli.routing.router import Router
+
+    moments = router_input_moments(model, sequences, batch_size=batch_size, max_batches=ROUTER_INPUT_BATCHES)
+    for i, layer in enumerate(decoder_layers(model)):
+        for module in ROUTED_MODULES:
+            r = getattr(layer, f"router_{module}", None)
+            if isinstance(r, Router):
+                r.standardize_input(*moments[(i, module)])
+
+
 def attach(settings: Settings, model, *, stats=None):
     """Attach routers for ``settings.routing`` (static keep masks from ``stats`` for
     static-width). Returns the RoutingState."""

@@ -32,6 +32,7 @@ from wide_cli.pipeline.routers import (
     load_stats,
     routed_model_from_run,
     save_routers,
+    standardize_router_inputs,
 )
 from wide_cli.pipeline.rundir import RunDir, model_identity, record_run
 from wide_cli.pipeline.settings import Settings
@@ -129,11 +130,13 @@ def train(settings: Settings, run: RunDir, *, resume: bool = False, loaded=None,
         # routers start, what the loss drives (train_stage converts it the same way) and where the
         # offset lands
         target = rcfg.skip_target(model.wide_routing.shape, settings.train.seq_len)
+        packed = packed_data(settings, loaded.tokenizer, run)
+        if rcfg.router_input == "standardized":
+            standardize_router_inputs(model, packed.train, batch_size=settings.eval.batch_size)
         if settings.run.router_init == "calibration":
             init_routers_from_statistics(model, stats, target)
         if rcfg.standin != "none":
             init_standins_from_statistics(model, stats)
-        packed = packed_data(settings, loaded.tokenizer, run)
         if rcfg.standin_rank:
             from wide_cli.calibrate.lowrank import fit_lowrank_standins
 

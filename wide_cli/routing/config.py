@@ -21,6 +21,9 @@ COST_METRICS = ("flops", "decode_bytes")
 #: or the same stand-in trained with the routers; ``lowrank:R`` adds a trained rank-R map of the
 #: module's input to the trained stand-in (``LOWRANK_PREFIX``).
 STANDINS = ("none", "mean", "trained")
+#: What a router reads: the raw residual stream, or the residual standardised per channel by its
+#: calibration mean and standard deviation (``Router.standardize_input``; folded at export).
+ROUTER_INPUTS = ("residual", "standardized")
 LOWRANK_PREFIX = "lowrank:"
 
 
@@ -56,6 +59,11 @@ class RoutingConfig:
             every GQA/MHA model and lets decode skip a KV head's cache reads.
         ffn_group_size: intermediate channels per FFN group; must divide F.
         router_rank: bottleneck width r of each router MLP.
+        router_input: ``residual`` (the router reads the residual stream, the paper) or
+            ``standardized`` (the residual minus its per-channel calibration mean, over its
+            per-channel standard deviation; for residual streams whose scale and shared component
+            make raw router logits token-independent, as Gemma 3's). Exports store the folded
+            map either way, so it changes training only.
         sparsity: shared target fraction of skipped (token, group) decisions, in [0, 1).
         sparsity_attention / sparsity_ffn: per-module targets (set both or neither);
             they replace ``sparsity`` in the loss.
@@ -88,6 +96,7 @@ class RoutingConfig:
     attn_group_size: int | None = None
     ffn_group_size: int = 128
     router_rank: int = 32
+    router_input: str = "residual"
     sparsity: float = 0.5
     sparsity_attention: float | None = None
     sparsity_ffn: float | None = None
@@ -117,6 +126,8 @@ class RoutingConfig:
             )
         if self.router_rank < 1:
             raise ConfigError(f"router-rank {self.router_rank} must be >= 1")
+        if self.router_input not in ROUTER_INPUTS:
+            raise ConfigError(f"unknown router-input {self.router_input!r}", f"choose one of {', '.join(ROUTER_INPUTS)}")
         if (self.attn_group_size is not None and self.attn_group_size < 1) or self.ffn_group_size < 1:
             raise ConfigError(
                 f"group sizes must be >= 1 (got attn {self.attn_group_size}, ffn {self.ffn_group_size})"

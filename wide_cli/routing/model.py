@@ -97,7 +97,10 @@ def router_state_dict(model) -> dict[str, torch.Tensor]:
             r = getattr(layer, f"router_{module}", None)
             if r is None:
                 continue
-            for k, t in r.state_dict().items():
+            tensors = r.state_dict()
+            if isinstance(r, Router):  # the compressor as it acts on the raw residual stream
+                tensors["compressor.weight"], tensors["compressor.bias"] = r.folded_compressor()
+            for k, t in tensors.items():
                 out[f"model.layers.{i}.router_{module}.{k}"] = t.detach().to("cpu").contiguous()
     return out
 
@@ -133,6 +136,11 @@ def load_router_state_dict(model, tensors: dict[str, torch.Tensor], *, strict: b
             continue
         _, _, i, mod, *rest = name.split(".")
         router = getattr(layers[int(i)], mod)
+        if isinstance(router, Router) and rest[0] == "compressor":
+            if rest[1] == "weight":  # stored folded: unfold into a standardised router's parameters
+                bias = tensors.get(name.rsplit(".", 1)[0] + ".bias")
+                router.load_folded_compressor(t, router.folded_compressor()[1] if bias is None else bias)
+            continue
         target = router.get_parameter(".".join(rest)) if rest[-1] != "keep" else router.keep
         with torch.no_grad():
             target.copy_(t.to(target.dtype))

@@ -45,7 +45,55 @@ class Router(nn.Module):
             shape = (num_groups, int(standin_rank), hidden_size)
             self.standin_in = nn.Parameter(torch.zeros(shape, dtype=torch.float32))
             self.standin_out = nn.Parameter(torch.zeros(shape, dtype=torch.float32))
+        # what the compressor's input is standardised by (``router_input = "standardized"``):
+        # identity until ``standardize_input`` sets the calibration moments; not saved, since
+        # ``folded_compressor`` writes the map that includes them
+        self.register_buffer("input_mean", torch.zeros(hidden_size, dtype=torch.float32), persistent=False)
+        self.register_buffer("input_inv_std", torch.ones(hidden_size, dtype=torch.float32), persistent=False)
+        self.standardized = False
         self.reset_parameters()
+
+    def standardize_input(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        """Train on ``(hidden - mean) / std`` instead of the raw residual stream.
+
+        Args:
+            mean, std: ``[D]`` per-channel moments of this router's input over calibration tokens
+                (``calibrate.statistics.router_input_moments``); ``std`` must be > 0.
+
+        A residual stream whose scale grows to thousands with a large shared component (Gemma 3:
+        the mean over tokens is 3-5x the per-token deviation) gives an unstandardised router logits
+        in the hundreds that hardly vary between tokens, so every token takes the same groups and
+        Adam's fixed step size moves them little. Standardising keeps the logits O(1) and
+        token-dependent; the export folds it into the compressor (``folded_compressor``), so
+        every runtime runs the same two affine maps.
+        """
+        with torch.no_grad():
+            self.input_mean.copy_(mean.to(self.input_mean))
+            self.input_inv_std.copy_(1.0 / std.to(self.input_inv_std))
+        self.standardized = True
+
+    def folded_compressor(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weight [r, D], bias [r])`` fp32 of the compressor applied to the raw residual stream:
+        ``W diag(1/std)`` and ``b - W diag(1/std) mean`` (the weights themselves when not
+        standardised)."""
+        w, b = self.compressor.weight.detach(), self.compressor.bias.detach()
+        if not self.standardized:
+            return w, b
+        wf = w * self.input_inv_std[None, :]
+        return wf, b - wf @ self.input_mean
+
+    def load_folded_compressor(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        """Set the compressor from a folded ``(weight [r, D], bias [r])`` (the inverse of
+        ``folded_compressor`` for this router's standardisation)."""
+        w = weight.to(self.compressor.weight)
+        b = bias.to(self.compressor.bias)
+        with torch.no_grad():
+            if self.standardized:
+                self.compressor.weight.copy_(w / self.input_inv_std[None, :])
+                self.compressor.bias.copy_(b + w @ self.input_mean)
+            else:
+                self.compressor.weight.copy_(w)
+                self.compressor.bias.copy_(b)
 
     def reset_parameters(self) -> None:
         for lin in (self.compressor, self.router):
@@ -61,6 +109,8 @@ class Router(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [B, T, D]`` (any float dtype) -> logits ``[B, T, G, 2]`` fp32."""
         x = hidden.to(self.compressor.weight.dtype)
+        if self.standardized:
+            x = (x - self.input_mean) * self.input_inv_std
         logits = self.router(self.compressor(x))
         return logits.view(*hidden.shape[:-1], self.num_groups, 2)
 

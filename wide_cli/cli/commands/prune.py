@@ -25,6 +25,7 @@ def prune_cmd(
     attn_group_size: options.AttnGroup = None,
     ffn_group_size: options.FfnGroup = None,
     router_rank: options.RouterRank = None,
+    router_input: options.RouterInput = None,
     tau_start: options.TauStart = None,
     tau_end: options.TauEnd = None,
     sparsity_warmup: options.SparsityWarmup = None,
