@@ -36,6 +36,10 @@ def test_prune_gemma3_every_method_exports_and_generates(tmp_path, text_file, me
     res = json.loads(r.stdout.strip().splitlines()[-1])
     export = run / "export"
     assert json.loads((export / "config.json").read_text())["model_type"] == "gemma3_text"
+    # every method records the model's provenance (what `wide bench`'s llama.cpp row checks the
+    # original GGUF against), not only its spec
+    source = json.loads((export / "wide_config.json").read_text())["source_model"]
+    assert source["id"] == source["spec"] == "tiny-gemma3"
     pruned, dense = res["eval"]["pruned"]["perplexity"], res["eval"]["dense"]["perplexity"]
     assert 1.0 < dense < 1e4 and 1.0 < pruned < 1e4
     prompt = [5, 17, 33, 60, 61, 62, 90, 12, 40, 41, 42]  # longer than the sliding window of 8

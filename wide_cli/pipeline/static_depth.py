@@ -285,6 +285,7 @@ def export(settings, run, out: Path, *, loaded, export_format: str = "wide"):
     import json
 
     from wide_cli.export.writer import EXPORT_FORMATS, export_model
+    from wide_cli.pipeline.stages import shareable
 
     if export_format not in EXPORT_FORMATS:
         raise ConfigError(f"--format {export_format!r} unknown", f"choose one of {', '.join(EXPORT_FORMATS)}")
@@ -299,7 +300,8 @@ def export(settings, run, out: Path, *, loaded, export_format: str = "wide"):
         # the export routes nothing: loaders treat it as a plain (dense) model of fewer layers
         "routing": PLAIN_ROUTING.to_dict(),
         "static_depth": sel,
-        "source_model": {"spec": loaded.source, "resolved": loaded.resolved, "revision": loaded.revision},
+        "source_model": {**loaded.provenance, "spec": shareable(loaded.source), "resolved": loaded.resolved,
+                         "revision": loaded.revision},
         "lora": ({"merged": True, "rank": settings.stage2.lora_rank, "alpha": settings.stage2.lora_alpha,
                   "target_modules": list(settings.stage2.target_modules)} if healed else None),
         "train": train_info,
