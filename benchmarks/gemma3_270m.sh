@@ -16,11 +16,14 @@
 #   quality       WikiText-2 and the seven tasks for dense, wide, static depth
 #   speed         decode / prefill speed of the three, one run per dtype of $SPEED_DTYPES (default
 #                 "fp32 bf16"; run it on a quiet machine)
+#   bench         `wide bench` of both exports: the runtime's dense mode and routed model in fp32, bf16,
+#                 int8 and int4 against llama.cpp on the original Q4_K_M GGUF (prefill of 1,024 tokens,
+#                 decode at batch 1; 1 thread; run it on a quiet machine)
 #   text          greedy continuations of the three (`wide generate`)
 #   report        docs/results/gemma3-270m.md from the files above
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n '12,20p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '12,23p' "$0"; exit 2; }
 WIDE=${WIDE:-.venv/bin/wide}
 PY=${PY:-.venv/bin/python}
 DATA_DIR=${DATA_DIR:-../shared/data}
@@ -77,6 +80,12 @@ for step in "$@"; do
           fp32) $PY benchmarks/speed_round_robin.py "$OUT/speed-targets.json" "$OUT/speed.json" --repeats 5 ;;
           *) $PY benchmarks/speed_round_robin.py "$OUT/speed-targets.json" "$OUT/speed-$dt.json" --repeats 5 --dtype "$dt" ;;
         esac
+      done ;;
+    bench)
+      for name in gemma3-wide gemma3-sd; do
+        $WIDE bench "runs/$name/export" --systems dense,cpu,llama.cpp --weights fp32,bf16,int8,int4 \
+            --prefill-lengths 1024 --decode-batches 1 --new-tokens 64 --threads 1 --repeats 3 \
+            --json-out "$OUT/bench-$name.json" > /dev/null
       done ;;
     text)
       $WIDE generate gemma3-270m runs/gemma3-wide/export runs/gemma3-sd/export --max-new-tokens 24 --json \
