@@ -14,6 +14,9 @@
 # SECTIONS=avx512 the same two exports with llama.cpp Q8_0 / Q4_0 beside them (a CPU with AVX-512
 # VNNI / BF16 and no AMX: prefill 128 / 1,024, decode batches of 1, 4 and 16 rows, 1 and 2 threads;
 # then prefill of 4,096 tokens with HF and the runtime);
+# SECTIONS=long the cost-0.5 export after 8,000 tokens of context (the runtime's dense mode and routed
+# model in fp32, bf16, int8 and int4; one timed round, no warm-up) and its WikiText-2 perplexity per format
+# on both paths (prefill and the native decode step);
 # SECTIONS=rest the others; the default runs amx and rest.
 # Run it on a quiet machine: the 2-thread rows measure whatever else holds a core.
 set -euo pipefail
@@ -46,6 +49,11 @@ if [[ $sections == *avx512* ]]; then
     $wide bench "${e%%:*}" --systems hf,dense,cpu --weights fp32,bf16,int8,int4 --prefill-lengths 4096 --decode-batches 1 \
       --new-tokens 8 --decode-prompt-len 64 --threads 1,2 --json-out "$out/bench-cpu-avx512-prefill4k-${e##*:}.json"
   done
+fi
+if [[ $sections == *long* ]]; then
+  $wide bench "$c05" --systems dense,cpu --weights fp32,bf16,int8,int4 --prefill-lengths 128 --decode-batches 1 \
+    --new-tokens 32 --decode-prompt-len 8000 --threads 1,2 --repeats 1 --warmup 0 \
+    --ppl-tokens 2048 --ppl-seq-len 512 --data-dir ../shared/data --json-out "$out/bench-cpu-avx512-long8k-cost05.json"
 fi
 [[ $sections == *rest* ]] || exit 0
 if [ "$demo" != "-" ]; then
