@@ -125,7 +125,7 @@ NOT_SETTINGS = {"model", "recipe", "run_dir", "out", "resume", "json_out", "npro
 SAMPLE = {
     "data": "x.txt", "eval_data": "y.txt", "heldout_fraction": 0.2, "max_train_tokens": 999, "self_generated": 12, "shuffle_documents": False,
     "method": "dynamic-depth", "sparsity": 0.3, "sparsity_attention": 0.4, "sparsity_ffn": 0.2,
-    "sparsity_weight": 7.0, "attn_group_size": 1, "ffn_group_size": 64, "router_rank": 8,
+    "sparsity_weight": 7.0, "attn_group_size": 1, "ffn_group_size": 64, "router_rank": 8, "router_input": "standardized",
     "tau_start": 3.0, "tau_end": 0.7, "steps": 9, "seq_len": 64, "batch_size": 3, "grad_accum": 2,
     "lr": 1e-3, "seed": 5, "checkpoint_every": 3, "grad_checkpointing": True, "max_memory": "12GiB", "dtype": "bf16", "train_dtype": "bf16", "device": "cuda", "router_init": "calibration",
     "eval_seq_len": 48, "eval_max_tokens": 4096, "eval_batch_size": 2, "lora": True, "lora_steps": 11,

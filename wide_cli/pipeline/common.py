@@ -146,3 +146,22 @@ def self_generated_file(settings: Settings, tokenizer, run: RunDir, model=None) 
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, "".join(json.dumps({"text": t}) + "\n" for t in docs).encode())
     return path
+
+
+def shareable(value: str | None) -> str | None:
+    """``value`` as an export may record it: a local file or directory (or any absolute path)
+    becomes its name, so a shared export names no path of the machine that built it; aliases,
+    hub ids and ``builtin:`` sources stay as they are."""
+    if not value:
+        return value
+    p = Path(value).expanduser()
+    return p.name if p.is_absolute() or p.exists() else value
+
+
+def shareable_settings(d: dict) -> dict:
+    """``Settings.to_dict()`` with the model and data paths passed through ``shareable``."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    for section, key in (("model", "name"), ("data", "train"), ("data", "eval")):
+        if key in out.get(section, {}):
+            out[section][key] = shareable(out[section][key])
+    return out

@@ -23,7 +23,7 @@ from wide_cli.artifacts import is_router_tensor
 from wide_cli.atomic import atomic_write_json
 from wide_cli.errors import CheckpointError, ConfigError
 from wide_cli.filenames import ADAPTER_FILE, CONFIG_JSON, RESULT_JSON, STATS_FILE
-from wide_cli.pipeline.common import load_backbone, packed_data, stage_identity
+from wide_cli.pipeline.common import load_backbone, packed_data, shareable, shareable_settings, stage_identity
 from wide_cli.pipeline.routers import (
     attach,
     calibrate_skip_offset,
@@ -370,25 +370,6 @@ def _recorded_model_config(run: RunDir) -> dict:
 def _magic(path: Path) -> bytes:
     with open(path, "rb") as f:
         return f.read(4)
-
-
-def shareable(value: str | None) -> str | None:
-    """``value`` as an export may record it: a local file or directory (or any absolute path)
-    becomes its name, so a shared export names no path of the machine that built it; aliases,
-    hub ids and ``builtin:`` sources stay as they are."""
-    if not value:
-        return value
-    p = Path(value).expanduser()
-    return p.name if p.is_absolute() or p.exists() else value
-
-
-def shareable_settings(d: dict) -> dict:
-    """``Settings.to_dict()`` with the model and data paths passed through ``shareable``."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
-    for section, key in (("model", "name"), ("data", "train"), ("data", "eval")):
-        if key in out.get(section, {}):
-            out[section][key] = shareable(out[section][key])
-    return out
 
 
 def _write_failure(e: Exception) -> str | None:

@@ -285,7 +285,7 @@ def export(settings, run, out: Path, *, loaded, export_format: str = "wide"):
     import json
 
     from wide_cli.export.writer import EXPORT_FORMATS, export_model
-    from wide_cli.pipeline.stages import shareable
+    from wide_cli.pipeline.common import shareable
 
     if export_format not in EXPORT_FORMATS:
         raise ConfigError(f"--format {export_format!r} unknown", f"choose one of {', '.join(EXPORT_FORMATS)}")
