@@ -308,7 +308,9 @@ def router_input_moments(model, batches: torch.Tensor, *, batch_size: int = 4, m
 
     hooks = []
     for i, layer in enumerate(layers):
-        ffn_norm = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
+        # the FFN's input norm, chosen as the routed layer chooses it (routing/layer.py)
+        sandwich = hasattr(layer, "pre_feedforward_layernorm")
+        ffn_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
         hooks += [(layer.input_layernorm, hook((i, "attention"))), (ffn_norm, hook((i, "ffn")))]
     state = getattr(model, "wide_routing", None)
     mode = state.mode if state is not None else None
