@@ -184,3 +184,34 @@ def test_render_does_not_fail_on_any_export(exports):
         con = Console(width=100, record=True, color_system=None)
         con.print(render(inspect_export(exports[k], prompt="ab")))
         assert "parameters" in con.export_text()
+
+
+def test_measured_text_counts_masks_and_names_static_routers(exports, tmp_path):
+    from rich.console import Console
+
+    r = inspect_export(exports["wide"], text=TEXT, seq_len=64)
+    dm = r.sparsity["distinct_masks"]
+    assert set(dm) == {"attention", "ffn"} and all(len(v) == 2 and all(n >= 1 for n in v) for v in dm.values())
+    con = Console(width=120, record=True, color_system=None)
+    con.print(render(r))
+    assert "ffn masks" in con.export_text()
+    static = [f"{m} {i}" for m, v in dm.items() for i, n in enumerate(v)
+              if n == 1 and r.sparsity["per_layer"][m][i] not in (0.0, 1.0)]
+    named = [w for w in r.warnings if "static masks" in w]
+    assert len(named) == (1 if static else 0)
+    assert all(x in named[0] for x in static)
+    # a router whose logits are its bias alone gives every token the same partial mask
+    model, cfg = routed_tiny_llama()
+    G = model.wide_routing.layout.ffn_groups
+    with torch.no_grad():
+        for n, p in model.model.layers[0].router_ffn.named_parameters():
+            p.zero_()
+            if n.endswith("bias") and p.numel() == 2 * G:
+                p.view(G, 2)[:, 1] = torch.tensor([1.0 if g % 2 else -1.0 for g in range(G)])
+    path = export_model(model, char_tokenizer(), tmp_path / "static_router", wide_config=_wide_config(cfg, model)).path
+    r = inspect_export(path, text=TEXT, seq_len=64)
+    assert r.sparsity["distinct_masks"]["ffn"][0] == 1
+    warn = [w for w in r.warnings if "static masks" in w]
+    assert len(warn) == 1 and f"routers gave all {len(TEXT)} measured tokens the same groups (" in warn[0]
+    assert "ffn 0" in warn[0].split("(")[1].split(")")[0]
+    assert "--router-input standardized" in warn[0]

@@ -70,3 +70,63 @@ def test_dense_model():
     assert meter.summary() is None
     with pytest.raises(ValueError, match="needs a routed model"):
         measure_sparsity(dense, [_ids(1, 3)])
+
+
+def _router_masks(model, batches):
+    """Reference: the distinct masks of each router's own argmax decisions, read from its output."""
+    from wide_cli.routing.gumbel import argmax_execute
+
+    seen, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        for m in ("attention", "ffn"):
+            r = getattr(layer, f"router_{m}", None)
+            if r is not None:
+                def fn(mod, args, out, key=(m, i)):
+                    ex = argmax_execute(out).bool().reshape(-1, out.shape[-2])
+                    seen.setdefault(key, set()).update(tuple(row.tolist()) for row in ex)
+                hooks.append(r.register_forward_hook(fn))
+    try:
+        with torch.no_grad():
+            for ids in batches:
+                model(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def test_distinct_masks_count_each_routers_decisions():
+    model, _ = routed_tiny_llama(seed=0)
+    model.eval()
+    batches = [_ids(3, 11, seed=1), _ids(2, 7, seed=2)]  # two shapes, masks merged across them
+    s = measure_sparsity(model, batches, distinct_masks=True)
+    ref = _router_masks(model, batches)
+    assert s["tokens"] == 3 * 11 + 2 * 7
+    for m in ("attention", "ffn"):
+        assert s["distinct_masks"][m] == [len(ref[(m, i)]) for i in range(2)]
+    assert any(n > 1 for v in s["distinct_masks"].values() for n in v)  # random routers vary by token
+    assert model.wide_routing.trace is None  # tracing is switched off afterwards
+    assert "distinct_masks" not in measure_sparsity(model, batches)  # off by default
+    # the sparsity itself does not depend on counting masks
+    plain = measure_sparsity(model, batches)
+    assert {k: v for k, v in s.items() if k != "distinct_masks"} == plain
+
+
+def test_a_router_that_ignores_its_input_is_reported_static():
+    from wide_cli.routing.measure import static_routers
+
+    model, _ = routed_tiny_llama(seed=0)
+    model.eval()
+    r = model.model.layers[1].router_ffn
+    G = model.wide_routing.layout.ffn_groups
+    with torch.no_grad():  # logits = bias alone: the same partial mask for every token
+        for n, p in r.named_parameters():
+            p.zero_()
+            if n.endswith("bias") and p.numel() == 2 * G:
+                p.view(G, 2)[:, 1] = torch.tensor([1.0 if g % 2 else -1.0 for g in range(G)])
+    s = measure_sparsity(model, [_ids(4, 16, seed=3)], distinct_masks=True)
+    assert s["distinct_masks"]["ffn"][1] == 1
+    assert ("ffn", 1) in static_routers(s["distinct_masks"], s["per_layer"])
+    # one mask of all groups executed (or all skipped) is what a layer was trained to do, not a fault
+    assert static_routers({"ffn": [1, 5]}, {"ffn": [0.0, 0.3]}) == []
+    assert static_routers({"ffn": [1, None]}, {"ffn": [0.5, None]}) == [("ffn", 0)]

@@ -48,12 +48,23 @@ def sparsity_table(r: InspectReport) -> Group | Text:
     t.add_column("layer", justify="right")
     t.add_column("attention", justify="right", style=STYLE["attention"])
     t.add_column("ffn", justify="right", style=STYLE["ffn"])
+    dm = sp.get("distinct_masks")
+    if dm:  # measured on a text: how many distinct masks each router gave its tokens
+        t.add_column("attention masks", justify="right", style=STYLE["attention"])
+        t.add_column("ffn masks", justify="right", style=STYLE["ffn"])
     pl = sp.get("per_layer") or {}
     att, ffn = pl.get("attention") or [], pl.get("ffn") or []
+
+    def at(v, i):
+        return v[i] if i < len(v) else None
+
     for i in range(max(len(att), len(ffn))):
-        t.add_row(str(i), _pct(att[i] if i < len(att) else None), _pct(ffn[i] if i < len(ffn) else None))
-    t.add_row("mean", _pct(sp.get("attention")), _pct(sp.get("ffn")), end_section=True)
-    t.add_row("total", _pct(sp.get("total")), "")
+        row = [str(i), _pct(at(att, i)), _pct(at(ffn, i))]
+        if dm:
+            row += ["-" if at(dm.get(m) or [], i) is None else str(at(dm[m], i)) for m in ("attention", "ffn")]
+        t.add_row(*row)
+    t.add_row("mean", _pct(sp.get("attention")), _pct(sp.get("ffn")), *(["", ""] if dm else []), end_section=True)
+    t.add_row("total", _pct(sp.get("total")), "", *(["", ""] if dm else []))
     return Group(t, Text(f"sparsity: {r.sparsity_source}", style="dim"))
 
 

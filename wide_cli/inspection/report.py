@@ -105,7 +105,8 @@ def load_export(path: Path, *, verify: bool = True, trust_remote_code: bool = Fa
 def measure_on_text(model, tokenizer, text: str, *, seq_len: int = 256, max_tokens: int = 8192) -> dict:
     """Measured sparsity of ``model`` on ``text``: windows of ``seq_len`` tokens (the last one
     may be shorter), at most ``max_tokens`` tokens. Returns ``SparsityCounter.summary()`` plus
-    ``tokens`` and ``data``.
+    ``tokens`` and ``distinct_masks`` (per module and layer, how many distinct masks its router
+    gave those tokens; ``routing.measure.measure_sparsity``).
 
     Raises:
         DataError: a text with fewer than 2 tokens.
@@ -116,7 +117,8 @@ def measure_on_text(model, tokenizer, text: str, *, seq_len: int = 256, max_toke
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0][:max_tokens]
     if ids.numel() < 2:
         raise DataError(f"the text has {ids.numel()} tokens; need at least 2 to measure sparsity")
-    return measure_sparsity(model, (ids[i : i + seq_len].unsqueeze(0) for i in range(0, ids.numel(), seq_len)))
+    return measure_sparsity(model, (ids[i : i + seq_len].unsqueeze(0) for i in range(0, ids.numel(), seq_len)),
+                            distinct_masks=True)
 
 
 @dataclass
@@ -281,6 +283,8 @@ def inspect_export(
             trace = trace_prompt(pm.model, pm.tokenizer, prompt, wc)
     report = InspectReport(path, fmt, method, file_sizes(path), parameter_counts(path), settings_of(wc),
                            sparsity, source, prompt=trace, layer=layer)
+    if sparsity and sparsity.get("distinct_masks") and sparsity.get("tokens", 0) > 1:
+        report.warnings += static_router_warnings(sparsity)
     if plot is not None:
         from wide_cli.inspection.plot import plot_sparsity
 
@@ -288,6 +292,22 @@ def inspect_export(
             raise ConfigError("no per-layer sparsity to plot", "pass --text FILE to measure it")
         report.plot = plot_sparsity(sparsity["per_layer"], plot, title=f"{path.name} ({method})")
     return report
+
+
+def static_router_warnings(sparsity: dict) -> list[str]:
+    """One warning naming the routers that gave every measured token the same partial mask
+    (``routing.measure.static_routers``), or none. Such a router is a static mask: the export
+    routes no token differently from another there, and its text tends to repeat itself."""
+    from wide_cli.routing.measure import static_routers
+
+    static = static_routers(sparsity["distinct_masks"], sparsity.get("per_layer"))
+    routed = sum(n is not None for v in sparsity["distinct_masks"].values() for n in v)
+    if not static:
+        return []
+    where = ", ".join(f"{m} {i}" for m, i in static[:8]) + (" ..." if len(static) > 8 else "")
+    return [f"{len(static)} of {routed} routers gave all {sparsity['tokens']} measured tokens the same groups "
+            f"({where}): they act as static masks, not per-token routing; if the model's residual stream has a "
+            "large mean (Gemma 3), retrain with --router-input standardized"]
 
 
 def _num_layers(path: Path) -> int:

@@ -109,13 +109,20 @@ def count_sparsity(model, meter: SparsityMeter | None = None):
 
 
 @torch.no_grad()
-def measure_sparsity(model, batches: Iterable[torch.Tensor]) -> dict:
+def measure_sparsity(model, batches: Iterable[torch.Tensor], *, distinct_masks: bool = False) -> dict:
     """Measured sparsity of a routed model over ``batches`` of token ids (each ``[B, T]`` int64,
     no padding; batches may differ in shape), without gradients or a KV cache.
 
+    With ``distinct_masks`` the decisions are also traced (``RoutingState.trace``) and each
+    router's distinct execute masks counted: a router whose every token executes the same groups
+    is a static mask, whatever its sparsity says (the symptom of routers whose input barely varies
+    between tokens, see ``RoutingConfig.router_input``).
+
     Returns:
         ``SparsityCounter.summary()`` (``{attention, ffn, total, per_layer}``) plus ``tokens``
-        (how many token ids went through the model).
+        (how many token ids went through the model), and with ``distinct_masks`` the key
+        ``distinct_masks``: ``{module: [per layer: number of distinct [G] masks over the
+        measured tokens, None where not routed]}``.
 
     Raises:
         ValueError: ``model`` is not routed (no ``wide_routing``).
@@ -123,14 +130,45 @@ def measure_sparsity(model, batches: Iterable[torch.Tensor]) -> dict:
     if getattr(model, "wide_routing", None) is None:
         raise ValueError("measure_sparsity needs a routed model (attach_routers or a loaded export)")
     device = next(model.parameters()).device
+    state = model.wide_routing
+    n_layers = int(state.shape.num_layers)
+    seen: dict[str, list[set | None]] = {m: [None] * n_layers for m in MODULES}
     tokens = 0
     with count_sparsity(model) as meter:
         for ids in batches:
-            model(input_ids=ids.to(device), use_cache=False)
+            if distinct_masks:
+                state.trace = []
+            try:
+                model(input_ids=ids.to(device), use_cache=False)
+                trace = state.trace if distinct_masks else None
+            finally:
+                if distinct_masks:
+                    state.trace = None
+            for layer, module, ex in trace or ():
+                rows = ex.reshape(-1, ex.shape[-1])  # [B * T, G] bool
+                masks = seen[module][layer] = seen[module][layer] or set()
+                masks.update(bytes(r) for r in torch.unique(rows, dim=0).to(torch.uint8).numpy())
             tokens += int(ids.numel())
     summary = meter.summary()
     summary.pop("tokens_measured")
-    return {**summary, "tokens": tokens}
+    out = {**summary, "tokens": tokens}
+    if distinct_masks:
+        out["distinct_masks"] = {m: [None if s is None else len(s) for s in v] for m, v in seen.items()}
+    return out
+
+
+def static_routers(distinct: dict, per_layer: dict | None = None) -> list[tuple[str, int]]:
+    """``(module, layer)`` of every router that gave all measured tokens one mask, from
+    ``measure_sparsity(..., distinct_masks=True)["distinct_masks"]``. A layer that skips every
+    group or none (``per_layer`` sparsity 1.0 or 0.0) is left out: one mask is then what it was
+    trained to give, not a router that cannot tell tokens apart."""
+    out = []
+    for m, counts in distinct.items():
+        sp = (per_layer or {}).get(m) or []
+        for i, n in enumerate(counts):
+            if n == 1 and not (i < len(sp) and sp[i] in (0.0, 1.0)):
+                out.append((m, i))
+    return out
 
 
 def batches_of(sequences: torch.Tensor, batch_size: int) -> Iterable[torch.Tensor]:
