@@ -305,9 +305,9 @@ def static_router_warnings(sparsity: dict) -> list[str]:
     if not static:
         return []
     where = ", ".join(f"{m} {i}" for m, i in static[:8]) + (" ..." if len(static) > 8 else "")
-    return [f"{len(static)} of {routed} routers gave all {sparsity['tokens']} measured tokens the same groups "
-            f"({where}): they act as static masks, not per-token routing; if the model's residual stream has a "
-            "large mean (Gemma 3), retrain with --router-input standardized"]
+    return [(f"{len(static)} of {routed} routers gave all {sparsity['tokens']} measured tokens the same groups "
+             f"({where}): they act as static masks, not per-token routing; if the model's residual stream has a "
+             "large mean (Gemma 3), retrain with --router-input standardized")]
 
 
 def _num_layers(path: Path) -> int:
