@@ -17,6 +17,10 @@
 # SECTIONS=long the cost-0.5 export after 8,000 tokens of context (the runtime's dense mode and routed
 # model in fp32, bf16, int8 and int4; one timed round, no warm-up) and its WikiText-2 perplexity per format
 # on both paths (prefill and the native decode step);
+# SECTIONS=int4ppl the int4 cost in perplexity on both exports, each export's plain int4 (quantized at
+# load) against the int4 export of the same run with scales chosen by the importance matrix
+# (DEMO_INT4 / C05_INT4: `wide export --run-dir RUN --weights int4`), WikiText-2 on both paths;
+# the speed rows of this section are a one-round by-product, not a measurement;
 # SECTIONS=rest the others; the default runs amx and rest.
 # Run it on a quiet machine: the 2-thread rows measure whatever else holds a core.
 set -euo pipefail
@@ -54,6 +58,17 @@ if [[ $sections == *long* ]]; then
   $wide bench "$c05" --systems dense,cpu --weights fp32,bf16,int8,int4 --prefill-lengths 128 --decode-batches 1 \
     --new-tokens 32 --decode-prompt-len 8000 --threads 1,2 --repeats 1 --warmup 0 \
     --ppl-tokens 2048 --ppl-seq-len 512 --data-dir ../shared/data --json-out "$out/bench-cpu-avx512-long8k-cost05.json"
+fi
+if [[ $sections == *int4ppl* ]]; then
+  for e in "$demo:${DEMO_INT4:--}:demo" "$c05:${C05_INT4:--}:cost05"; do
+    IFS=: read -r fp int4 name <<< "$e"
+    [ "$fp" = "-" ] && continue
+    ppl=(--prefill-lengths 128 --decode-batches 1 --new-tokens 4 --decode-prompt-len 16 --threads 1 --repeats 1
+         --warmup 0 --ppl-tokens 2048 --ppl-seq-len 512 --data-dir ../shared/data)
+    $wide bench "$fp" --systems cpu --weights fp32,int4 "${ppl[@]}" --json-out "$out/bench-cpu-int4ppl-$name.json"
+    [ "$int4" = "-" ] || $wide bench "$int4" --systems cpu --weights int4 "${ppl[@]}" \
+      --json-out "$out/bench-cpu-int4ppl-$name-importance.json"
+  done
 fi
 [[ $sections == *rest* ]] || exit 0
 if [ "$demo" != "-" ]; then

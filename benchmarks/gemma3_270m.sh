@@ -20,10 +20,12 @@
 #                 int8 and int4 against llama.cpp on the original Q4_K_M GGUF (prefill of 1,024 tokens,
 #                 decode at batch 1; 1 thread; run it on a quiet machine)
 #   text          greedy continuations of the three (`wide generate`)
+#   routing       how varied the routed export's masks are (`wide inspect --text` on the start of
+#                 WikiText-2's test text: distinct masks per router, measured sparsity)
 #   report        docs/results/gemma3-270m.md from the files above
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n '12,23p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '12,25p' "$0"; exit 2; }
 WIDE=${WIDE:-.venv/bin/wide}
 PY=${PY:-.venv/bin/python}
 DATA_DIR=${DATA_DIR:-../shared/data}
@@ -90,6 +92,10 @@ for step in "$@"; do
     text)
       $WIDE generate gemma3-270m runs/gemma3-wide/export runs/gemma3-sd/export --max-new-tokens 24 --json \
           -p "Water boils at" -p "The capital of France is" -p "The history of the Roman Empire" > "$OUT/text.json" ;;
+    routing)
+      $PY -c 'import sys; from pathlib import Path; from wide_cli.eval import wikitext
+print("\n\n".join(wikitext.rows(wikitext.read_raw(Path(sys.argv[1]), "test")))[:6000])' "$DATA_DIR" > runs/gemma3-wikitext-head.txt
+      $WIDE inspect runs/gemma3-wide/export --text runs/gemma3-wikitext-head.txt --json > "$OUT/routing-gemma3-wide.json" ;;
     report) $PY benchmarks/gemma3_270m_report.py "$OUT" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac

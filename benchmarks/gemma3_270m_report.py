@@ -60,7 +60,7 @@ def data_words(rep) -> str:
 lines = ["# Gemma 3 270M: dense parity, width routing against static depth, speed", "",
          ("Written by `benchmarks/gemma3_270m_report.py` from the files `benchmarks/gemma3_270m.sh` wrote "
          f"(`{'' if (out / 'speed-bf16.json').is_file() else 'SPEED_DTYPES=fp32 '}benchmarks/gemma3_270m.sh parity wide "
-         "static-depth quality speed bench text report`), "
+         "static-depth quality speed bench text routing report`), "
          "1 thread per process."), ""]
 
 # where a token's cost goes: the tied head, which no routing touches
@@ -158,6 +158,19 @@ if router_input != "standardized":
                "8-step run with it (same data, 8 x 4 x 256 tokens) gives 2 to 176 distinct masks per router on "
                "the same tokens. This table's wide row is from a run without it."), ""]
 
+routing = load("routing-gemma3-wide.json")
+if routing and (routing.get("sparsity") or {}).get("distinct_masks"):
+    sp = routing["sparsity"]
+    dm = {m: [n for n in v if n is not None] for m, v in sp["distinct_masks"].items()}
+    spans = "; ".join(f"{m} routers {min(v)} to {max(v)}" for m, v in dm.items() if v)
+    warned = [w for w in routing.get("warnings") or [] if "static masks" in w]
+    lines += [(f"How varied the routing is (`benchmarks/gemma3_270m.sh routing`: `wide inspect "
+               f"runs/gemma3-wide/export --text` on the start of WikiText-2's test text, {sp['tokens']:,} "
+               f"tokens): distinct masks per router, {spans}; measured sparsity attention "
+               f"{100 * sp['attention']:.1f} %, FFN {100 * sp['ffn']:.1f} %. "
+               + (f"`wide inspect` warns: {warned[0]}." if warned else
+                  "No router gives every token the same mask.")), ""]
+
 if speed and all(quality[slug].get("wikitext") for slug, _, _ in ROWS):
     def num(slug, target):
         wt = quality[slug]["wikitext"]["results"]["wikitext"]["summary_value"]
@@ -191,17 +204,17 @@ if slow:
 benches = {name: load(f"bench-{name}.json") for name in ("gemma3-wide", "gemma3-sd")}
 if any(benches.values()):
     lines += ["## Against llama.cpp on the original GGUF (`wide bench`)", "",
-              "`benchmarks/gemma3_270m.sh bench`: per export, `wide bench EXPORT --systems dense,cpu,llama.cpp "
+              ("`benchmarks/gemma3_270m.sh bench`: per export, `wide bench EXPORT --systems dense,cpu,llama.cpp "
               "--weights fp32,bf16,int8,int4 --prefill-lengths 1024 --decode-batches 1 --new-tokens 64 "
               "--threads 1 --repeats 3` (median of 3 rounds after a warm-up, systems round-robin in one "
               "process). `dense`: the runtime with routing off on the export's own backbone (its removed "
               "layers stay removed); `cpu`: the routed model, the native decode step; llama.cpp runs the "
               "model's original Q4_K_M GGUF, all 18 layers, the file a llama.cpp user downloads. "
-              "x llama.cpp: tokens/s against llama.cpp at the same threads.", ""]
+              "x llama.cpp: tokens/s against llama.cpp at the same threads."), ""]
     for name, rep in benches.items():
         if not rep:
             continue
-        label = dict((slug, lab) for slug, lab, _ in ROWS).get(name, name)
+        label = {slug: lab for slug, lab, _ in ROWS}.get(name, name)
         rows = rep["results"]
         env = rep.get("environment") or {}
         cpu_name = ", ".join(x for x in (env.get("cpu_model"), "/".join(env.get("simd") or [])) if x)
