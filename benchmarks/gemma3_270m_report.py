@@ -177,10 +177,14 @@ if speed and all(quality[slug].get("wikitext") for slug, _, _ in ROWS):
         return wt, speed.get(target, {}).get("decode_speedup"), speed.get(target, {}).get("prefill_speedup")
 
     (d_wt, _, _), (w_wt, w_dec, w_pre), (s_wt, s_dec, s_pre) = (num(slug, t) for slug, _, t in ROWS)
-    ahead = "ahead of" if w_pre > s_pre else "behind"
+    task_avg = {slug: sum(v["summary_value"] for v in (quality[slug].get("tasks") or {}).get("results", {}).values())
+                for slug, _, _ in ROWS}
+    ahead = ("level with" if abs(w_pre - s_pre) < 0.005 else "ahead of" if w_pre > s_pre else "behind")
     if w_wt < s_wt and w_dec >= s_dec - 0.03:
-        verdict = ("Width routing pays here: a lower perplexity than static depth at no less measured decode "
-                   "speed (within 0.03x or faster).")
+        verdict = ("Width routing pays here on perplexity: a lower one than static depth at no less measured "
+                   "decode speed (within 0.03x or faster)"
+                   + ("; on the seven tasks (50 items each, a few points of noise) static depth's average is "
+                      "the higher." if task_avg.get("gemma3-sd", 0) > task_avg.get("gemma3-wide", 0) else "."))
     elif w_wt < s_wt:
         verdict = ("wide has the lower perplexity but decodes slower than static depth: the two are not at equal "
                    "measured speed, so this table does not show width routing paying on this model.")
