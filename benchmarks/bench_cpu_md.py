@@ -1,6 +1,8 @@
 """Markdown tables of a `wide bench --json-out` report (docs/results/bench-cpu*.md): per shape, one
 row per system with tokens/s and the speedup over the runtime's dense mode in the same format, for
-each thread count side by side. Usage: python benchmarks/bench_cpu_md.py REPORT.json"""
+each thread count side by side. Usage: python benchmarks/bench_cpu_md.py REPORT.json; or
+`--int4ppl NAME=PLAIN.json,IMPORTANCE.json ...` for the perplexity of plain against importance-matrix
+int4 per export (`SECTIONS=int4ppl benchmarks/bench_cpu.sh`'s reports)."""
 
 import json
 import sys
@@ -47,5 +49,30 @@ def tables(doc: dict) -> str:
     return "\n".join(out)
 
 
+def int4_table(pairs: list[tuple[str, dict, dict]]) -> str:
+    """One row per (export, int4 scheme, path): WikiText-2 perplexity against the same export's
+    fp32 on the same path, from a report with fp32 and plain int4 and one of the int4 export."""
+    out = ["| export | weights | path | ppl | vs fp32 (same path) |", "|---|---|---|---|---|"]
+    for name, plain, imp in pairs:
+        qp, qi = plain["quality"], imp["quality"]
+        for mode, suffix in (("prefill", ""), ("decode", " decode")):
+            ref = qp[f"routed fp32{suffix}"]["perplexity"]
+            rows = [("fp32", qp[f"routed fp32{suffix}"]), ("int4, plain rule (quantized at load)", qp[f"routed int4{suffix}"]),
+                    ("int4 export, importance matrix", qi[f"routed int4{suffix}"])]
+            for label, v in rows:
+                d = v["perplexity"] / ref - 1
+                out.append(f"| {name} | {label} | {v.get('path', '-')} {mode} | {v['perplexity']:.2f} | "
+                           f"{'-' if label == 'fp32' else f'{100 * d:+.2f} %'} |")
+    return "\n".join(out) + "\n"
+
+
 if __name__ == "__main__":
-    print(tables(json.load(open(sys.argv[1]))))
+    if sys.argv[1] == "--int4ppl":
+        pairs = []
+        for arg in sys.argv[2:]:
+            name, files = arg.split("=", 1)
+            plain, imp = files.split(",")
+            pairs.append((name, json.load(open(plain)), json.load(open(imp))))
+        print(int4_table(pairs))
+    else:
+        print(tables(json.load(open(sys.argv[1]))))
