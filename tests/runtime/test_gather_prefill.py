@@ -130,6 +130,31 @@ def test_routed_ffn_matches_the_masked_gated_product(M, p, act, gather_isa):
         assert macs == 0 and torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_down_product_groups_tokens_that_skip_the_same_groups(dtype, gather_isa):
+    # every other token skips group 0: in token order every block of rows runs group 0's down
+    # product for half its tokens on zeros; sorted by skipped groups (kernels/cpu_prefill_gather.c,
+    # ffn_window_order) the 32 skipping tokens share their blocks, and the down product executes
+    # exactly the executed pairs
+    if dtype == torch.float32 and not cpu_gather.f32_ready():
+        pytest.skip("the fp32 kernels run only where the bf16 ones run on AVX512-BF16")
+    from wide_cli.runtime import ops
+
+    M, G, g, D = 64, 2, 32, 64
+    wg, wu, wd = _ffn_weights(G, g, D, 7)
+    x = torch.randn(M, D, generator=torch.Generator().manual_seed(8)).bfloat16()
+    mask = torch.ones(M, G, dtype=torch.bool)
+    mask[::2, 0] = False
+    out = torch.full((M, D), float("nan"))
+    macs = cpu_gather.ffn(cpu_gather.pack_rows(cpu_proj.grouped_gate_up(wg, wu, g), dtype),
+                          cpu_gather.pack_groups(wd.t().contiguous(), g, dtype), x.to(dtype), out, mask)
+    executed = int(mask.sum())
+    assert macs == 3 * executed * g * D
+    h = ops.gate_act(x.float() @ wg.float().t(), "silu") * (x.float() @ wu.float().t()) * _expand(mask, M, G, g)
+    want = (h.bfloat16().float() if dtype == torch.bfloat16 else h) @ wd.float().t()
+    torch.testing.assert_close(out, want, atol=2.0**-7 * float(want.abs().max()), rtol=0)
+
+
 @pytest.mark.parametrize("M", [40, 300])
 def test_two_threads_give_the_same_ffn_as_one(M, gather_isa):
     G, g, D = 4, 32, 64
