@@ -81,3 +81,30 @@ def test_ops_decline_what_they_do_not_take(lib):
     assert cpu_prefill.residual(x, x.clone(), None, None) is None
     q = torch.randn(1, 20, 2, 64).bfloat16().transpose(1, 2).transpose(1, 2).contiguous().transpose(2, 3)
     assert cpu_prefill.rope_(q, torch.ones(1, 20, 1, 64).bfloat16(), torch.ones(1, 20, 1, 64).bfloat16()) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D, G", [(64, 3), (67, 12), (576, 5)])
+def test_router_decisions_match_the_fp32_affine_map(lib, dtype, D, G):
+    # logits computed in float64 are the definition; the kernel's fp32 sums may flip only a logit
+    # within fp32 rounding of zero, which these well-separated values never are
+    B, T = 2, 23  # not a multiple of the kernel's 4-token blocks
+    g = torch.Generator().manual_seed(D + G)
+    x = torch.randn(B, T, D, generator=g).to(dtype)
+    w, b = torch.randn(G, D, generator=g), torch.randn(G, generator=g)
+    logits = x.double() @ w.double().t() + b.double()
+    got = cpu_prefill.router(x, w, b)
+    assert got is not None and got.shape == (B, T, G) and got.dtype == torch.bool
+    sure = logits.abs() > 1e-3 * (x.double().abs() @ w.double().abs().t())
+    assert torch.equal(got[sure], (logits >= 0)[sure])
+
+
+def test_router_rows_follow_their_strides(lib):
+    # a [M, D] view into wider rows (the residual stream is contiguous, but a view must not be
+    # read as if it were)
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(30, 80, generator=g).bfloat16()
+    x = wide[:, :64]
+    w, b = torch.randn(4, 64, generator=g), torch.randn(4, generator=g)
+    assert torch.equal(cpu_prefill.router(x, w, b), cpu_prefill.router(x.contiguous(), w, b))
+    assert cpu_prefill.router(x.t(), torch.randn(4, 30), b) is None  # columns, not rows

@@ -216,6 +216,8 @@ def load(path: Path) -> ctypes.CDLL:
                                   _I64, _I64]  # fmt: skip
     lib.wide_rms_norm_rows.restype = _I64
     lib.wide_rms_norm_rows.argtypes = [_P, _P, _I64, _I64, _I64, _P, _I64, ctypes.c_float, _P, _I64, _I64]
+    lib.wide_router_rows.restype = _I64
+    lib.wide_router_rows.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _I64]
     lib.wide_rope_rows.restype = _I64
     lib.wide_rope_rows.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _P, _P, _I64]
     lib.wide_residual_rows.restype = _I64

@@ -1,6 +1,6 @@
 """The elementwise pieces of the cpu backend's bf16 prefill as native calls
 (``kernels/cpu_prefill_ops.c``): RMSNorm, RoPE and the residual add with stand-ins, each one call
-for all the tokens of a step.
+for all the tokens of a step; and the routers of a bf16 or fp32 prefill step (``router``).
 
 PyTorch runs each of them as several full-width bf16 ops with fp32 round trips: on SmolLM2-135M
 (1,024-token prefill, 1 thread, a Xeon with AMX) they took about a third of a routed prefill whose
@@ -33,6 +33,28 @@ def _rows2d(x: torch.Tensor) -> torch.Tensor | None:
         return x.view(-1, x.shape[-1])
     except RuntimeError:  # not viewable as rows (non-uniform strides)
         return None
+
+
+def router(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """The execute decisions ``w x + b >= 0`` of a folded router (``engine._decide``) for bf16 or
+    fp32 ``x [B, T, D]``, ``w [G, D]`` and ``b [G]`` fp32, computed in fp32 with the native decode
+    step's products (a token gets the same decisions in prefill and decode). Returns ``[B, T, G]``
+    bool, or None (no native library, another dtype, rows not viewable)."""
+    lib = _lib()
+    if lib is None or x.dtype not in (torch.bfloat16, torch.float32) or x.stride(-1) != 1:
+        return None
+    if w.dtype != torch.float32 or b.dtype != torch.float32 or not w.is_contiguous() or not b.is_contiguous():
+        return None
+    try:
+        x2 = x.view(-1, x.shape[-1])
+    except RuntimeError:  # not viewable as rows (non-uniform strides)
+        return None
+    G = w.shape[0]
+    mask = torch.empty(*x.shape[:-1], G, dtype=torch.bool)
+    rc = lib.wide_router_rows(cpu_native.context(lib), x2.data_ptr(), x2.stride(0), x2.shape[0], x2.shape[1],
+                              int(x.dtype == torch.float32), w.data_ptr(), b.data_ptr(), G, mask.data_ptr(),
+                              torch.get_num_threads())  # fmt: skip
+    return mask if rc == 0 else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -209,6 +209,9 @@ class Runtime:
         # The native elementwise ops of bf16 prefill (``runtime/cpu_prefill.py``) on the cpu
         # backend; the reference backend keeps PyTorch's (it is the oracle).
         self.native_prefill_ops = getattr(self.backend, "name", None) == "cpu" and self.dtype == torch.bfloat16
+        # Its routers of prefill steps (bf16 or fp32): PyTorch's GEMM runs their few output columns
+        # slowly (``cpu_prefill.router``)
+        self.native_routers = getattr(self.backend, "name", None) == "cpu"
         #: the export's features (``wide_cli.features``) when loaded from an export, else None;
         #: the native step refuses those it does not run (``NativeDecoder.ineligible``)
         self.export_features = weights.extra.get("export_features")
@@ -351,11 +354,13 @@ class Runtime:
             # so logit0 - logit1 is one affine map of x, folded at load (see ``_fold_router``).
             w, b = m.routers[module]
             self.counter.router_macs += B * T * w.numel()
-            xf = x if x.dtype == torch.float32 else x.float()
-            if B * T == 1:
-                ex = (torch.addmv(b, w, xf.view(-1)) >= 0).view(1, 1, G)
-            else:
-                ex = F.linear(xf, w, b) >= 0
+            ex = cpu_prefill.router(x, w, b) if self.native_routers and B * T >= cpu_prefill.MIN_TOKENS else None
+            if ex is None:
+                xf = x if x.dtype == torch.float32 else x.float()
+                if B * T == 1:
+                    ex = (torch.addmv(b, w, xf.view(-1)) >= 0).view(1, 1, G)
+                else:
+                    ex = F.linear(xf, w, b) >= 0
         elif m.keeps[module] is not None:
             ex = m.keeps[module].expand(B, T, G)
         else:
