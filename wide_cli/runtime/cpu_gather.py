@@ -203,9 +203,10 @@ def ffn(packed_gu: torch.Tensor, packed_down: torch.Tensor, x: torch.Tensor, out
             None. act: ``silu`` (SwiGLU) or ``gelu_tanh``.
     Returns:
         The multiply-adds executed (the gate/up products of the executed pairs; the down product
-        runs, per block of 32 consecutive tokens, every group some token of the block executes,
-        with zeros for the block's skipped pairs: ``kernels/cpu_prefill_gather.c`` says why), or
-        None when the kernel cannot take the operands (nothing written).
+        runs, per block of tokens -- 32 on AMX tiles, 8 on vdpbf16ps and fp32 FMAs, each window of
+        256 tokens sorted by the groups its tokens skip -- every group some token of the block
+        executes, with zeros for the block's skipped pairs: ``kernels/cpu_prefill_gather.c`` says
+        why), or None when the kernel cannot take the operands (nothing written).
     """
     tk = _tile_k(packed_down)
     G, D, g = packed_down.shape[0], packed_down.shape[1] * TILE_N, packed_down.shape[2] * tk
