@@ -123,7 +123,7 @@ def test_b12_fp16_on_cpu_upcasts_once_and_bf16_runs(tmp_path, text_file):
 NOT_SETTINGS = {"model", "recipe", "run_dir", "out", "resume", "json_out", "nproc", "threads"}
 
 SAMPLE = {
-    "data": "x.txt", "eval_data": "y.txt", "heldout_fraction": 0.2, "max_train_tokens": 999, "self_generated": 12, "shuffle_documents": False,
+    "data": "x.txt", "eval_data": "y.txt", "heldout_fraction": 0.2, "max_train_tokens": 999, "self_generated": 12, "self_generated_text": 7, "shuffle_documents": False,
     "method": "dynamic-depth", "sparsity": 0.3, "sparsity_attention": 0.4, "sparsity_ffn": 0.2,
     "sparsity_weight": 7.0, "attn_group_size": 1, "ffn_group_size": 64, "router_rank": 8, "router_input": "standardized",
     "tau_start": 3.0, "tau_end": 0.7, "steps": 9, "seq_len": 64, "batch_size": 3, "grad_accum": 2,

@@ -1,5 +1,5 @@
-"""Self-generated training data: chat transcripts written by the dense model (``data/self_generated.py``)
-and their place in a run's packed data (``pipeline.common``)."""
+"""Self-generated training data: chat transcripts and plain-text documents written by the dense model
+(``data/self_generated.py``) and their place in a run's packed data (``pipeline.common``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ import json
 import pytest
 import torch
 
-from wide_cli.data.self_generated import chat_turn_prefixes, generate_chat_documents
+from wide_cli.data.self_generated import (
+    chat_turn_prefixes,
+    generate_chat_documents,
+    generate_text_documents,
+    text_start,
+)
 from wide_cli.errors import ConfigError, DataError
 from wide_cli.models.tiny import char_tokenizer, tiny_model
 
@@ -71,3 +76,45 @@ def test_run_keeps_the_transcripts_and_packs_them_first(tmp_path):
     assert packed.meta["extra_source"] == str(path) and packed.meta["n_documents"] == 4
     first = tok(docs[0], add_special_tokens=False).input_ids[:16]
     assert torch.equal(packed.train.flatten()[:16], torch.tensor(first))
+
+
+def test_text_documents_start_from_the_start_token_and_are_seeded():
+    model, tok = tiny_model("llama", seed=0), char_tokenizer()  # no chat template: plain text needs none
+    assert text_start(tok) == "<s>"
+    a = generate_text_documents(model, tok, n=3, max_new_tokens=8, seed=1, batch_size=2)
+    b = generate_text_documents(model, tok, n=3, max_new_tokens=8, seed=1, batch_size=2)
+    c = generate_text_documents(model, tok, n=3, max_new_tokens=8, seed=2, batch_size=2)
+    assert a == b and a != c and 1 <= len(a) <= 3
+    assert all(d and not d.startswith("<s>") for d in a)
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        generate_text_documents(model, tok, n=0, max_new_tokens=8, seed=1)
+
+
+def test_text_documents_join_the_transcripts_in_one_keyed_file(tmp_path):
+    from wide_cli.pipeline import common
+    from wide_cli.pipeline.rundir import RunDir
+    from wide_cli.pipeline.settings import settings_from_dict
+
+    data = tmp_path / "plain.txt"
+    data.write_text("plain text document number one.\n\nanother plain document here.\n")
+
+    def settings(text):
+        return settings_from_dict({"data": {"train": str(data), "self_generated": 2, "self_generated_text": text,
+                                            "self_generated_tokens": 4, "heldout_fraction": 0.0,
+                                            "shuffle_documents": False}, "train": {"seq_len": 16}})  # fmt: skip
+
+    run, tok, model = RunDir(tmp_path / "run"), _chat_tokenizer(), tiny_model("llama", seed=0)
+    chat_only = common.self_generated_file(settings(0), tok, run, model)
+    both = common.self_generated_file(settings(3), tok, run, model)
+    assert chat_only != both  # the count of text documents is part of the key
+    docs = [json.loads(line)["text"] for line in both.read_text().splitlines()]
+    chat = [json.loads(line)["text"] for line in chat_only.read_text().splitlines()]
+    assert docs[:2] == chat and 3 <= len(docs) <= 5  # the transcripts, then the text documents
+    assert not any(d.startswith("<|im_start|>") for d in docs[2:])
+
+
+def test_a_negative_count_of_text_documents_is_refused():
+    from wide_cli.pipeline.settings import settings_from_dict
+
+    with pytest.raises(ConfigError, match="self_generated_text -1 must be >= 0"):
+        settings_from_dict({"data": {"self_generated_text": -1}})

@@ -30,6 +30,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "heldout_fraction": ("data", "heldout_fraction"),
     "max_train_tokens": ("data", "max_train_tokens"),
     "self_generated": ("data", "self_generated"),
+    "self_generated_text": ("data", "self_generated_text"),
     "shuffle_documents": ("data", "shuffle_documents"),
     "method": ("routing", "method"),
     "sparsity": ("routing", "sparsity"),
@@ -84,6 +85,7 @@ HeldoutFraction = Annotated[float | None, typer.Option("--heldout-fraction", hel
     "Share of packed sequences held out of training, for the evaluation (default 0.1); 0 needs --eval-data FILE."))]
 MaxTrainTokens = Annotated[int | None, typer.Option("--max-train-tokens", help="Cap on tokenised training data.")]
 SelfGenerated = Annotated[int | None, typer.Option("--self-generated", help="Add N chat transcripts written by the dense model itself to the training data (chat models; 0 = none).")]
+SelfGeneratedText = Annotated[int | None, typer.Option("--self-generated-text", help="Add N plain-text documents the dense model writes from its start-of-text token to the training data (any model; 0 = none).")]
 ShuffleDocs = Annotated[bool | None, typer.Option("--shuffle-documents/--no-shuffle-documents", help="Shuffle documents before packing (default on).")]
 Method = Annotated[str | None, typer.Option("--method", help="wide | dynamic-depth | static-width | static-depth | dense.")]
 CostTarget = Annotated[float | None, typer.Option("--cost-target", help="Per-token cost to reach, a fraction of dense in (0, 1), e.g. 0.5 = half the FLOPs (wide: instead of --sparsity; static-depth default 0.75).")]

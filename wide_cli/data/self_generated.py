@@ -9,9 +9,11 @@ al., "Self-Data Distillation for Recovering Quality in Pruned Large Language Mod
 For a chat model the prompts come from the model too (Magpie: Xu et al., "Magpie: Alignment Data
 Synthesis from Scratch by Prompting Aligned LLMs with Nothing", 2024): the chat template up to
 the start of a user turn is sampled into a user request, then the assistant turn is sampled as
-the answer. Each document is the whole transcript in the model's chat template. Generation runs
-on the runtime (dense, bf16 compute), in batches, with seeded sampling, so a seed gives the same
-documents.
+the answer. Each document is the whole transcript in the model's chat template. Plain-text
+documents (``generate_text_documents``, any model) are sampled from the start-of-text token alone:
+text in the breadth of what the model was pretrained on, not only its chat register. Generation
+runs on the runtime (dense, bf16 compute), in batches, with seeded sampling, so a seed gives the
+same documents.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ log = logging.getLogger("wide")
 # Sampling of the user turn (diverse requests) and of the answer (the model's usual register).
 USER_SAMPLING = {"temperature": 1.0, "top_p": 0.95}
 ANSWER_SAMPLING = {"temperature": 0.7, "top_p": 0.9}
+# Plain text: the model's own distribution, with the tail of least likely tokens cut.
+TEXT_SAMPLING = {"temperature": 1.0, "top_p": 0.95}
 USER_MAX_TOKENS = 64
 MARKER = "\x00WIDE_USER_TURN\x00"
 
@@ -83,6 +87,55 @@ def generate_chat_documents(model, tokenizer, *, n: int, max_new_tokens: int, se
         docs.extend(p + a.strip() + end for p, a in zip(prompts, answers))
         if progress is not None:
             progress(len(docs), n)
+    return docs
+
+
+def text_start(tokenizer) -> str:
+    """The text a plain-text document starts from: the tokenizer's BOS token, else its EOS token
+    (the separator between pretraining documents).
+
+    Raises:
+        ConfigError: the tokenizer has neither.
+    """
+    start = tokenizer.bos_token or tokenizer.eos_token
+    if not start:
+        raise ConfigError("self-generated plain text needs a start-of-text token (the tokenizer has no BOS or EOS)",
+                          "set [data] self_generated_text = 0")
+    return start
+
+
+def generate_text_documents(model, tokenizer, *, n: int, max_new_tokens: int, seed: int, batch_size: int = 32,
+                            progress=None) -> list[str]:
+    """``n`` plain-text documents written by ``model`` (a dense Hugging Face causal LM), each
+    sampled from the start-of-text token (``text_start``) for at most ``max_new_tokens`` tokens
+    (``TEXT_SAMPLING``), ending early at EOS.
+
+    Args:
+        progress: called as ``progress(done, n)`` after each batch.
+
+    Returns:
+        ``n`` strings: the generated text, without the start token; empty samples are dropped, so
+        there may be fewer.
+
+    Raises:
+        ConfigError: ``n < 1``, ``max_new_tokens < 1``, or no start-of-text token.
+    """
+    from wide_cli.runtime.engine import Runtime
+    from wide_cli.runtime.sampling import SamplingConfig
+
+    if n < 1 or max_new_tokens < 1:
+        raise ConfigError(f"self-generated documents {n} and tokens {max_new_tokens} must be >= 1")
+    start = text_start(tokenizer)
+    rt = Runtime.from_model(model, tokenizer, routing=False, weight_format="bf16")
+    docs: list[str] = []
+    for b0 in range(0, n, batch_size):
+        m = min(batch_size, n - b0)
+        # another seed stream than the chat transcripts' (seed * 1_000_003 + b0 [+ 1])
+        texts = rt.generate([start] * m, max_new_tokens=max_new_tokens,
+                            sampling=SamplingConfig(**TEXT_SAMPLING, seed=seed * 1_000_003 + 500_000 + b0)).texts
+        docs.extend(t.strip() for t in texts if t.strip())
+        if progress is not None:
+            progress(b0 + m, n)
     return docs
 
 

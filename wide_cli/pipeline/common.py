@@ -84,6 +84,8 @@ def stage_identity(settings: Settings, loaded, *, stage: str) -> dict:
     }
     if settings.data.self_generated:
         ident["self_generated"] = [settings.data.self_generated, settings.data.self_generated_tokens]
+    if settings.data.self_generated_text:
+        ident["self_generated_text"] = [settings.data.self_generated_text, settings.data.self_generated_tokens]
     if stage == "stage2":
         ident["stage2"] = {**settings.stage2.__dict__, "target_modules": list(settings.stage2.target_modules)}
     return ident
@@ -96,7 +98,8 @@ def packed_data(settings: Settings, tokenizer, run: RunDir, *, model=None):
     dense model that writes them, needed only the first time)."""
     from wide_cli.data.packing import load_or_build
 
-    extra = self_generated_file(settings, tokenizer, run, model) if settings.data.self_generated else None
+    d = settings.data
+    extra = self_generated_file(settings, tokenizer, run, model) if d.self_generated or d.self_generated_text else None
     return load_or_build(
         settings.data.train,
         tokenizer,
@@ -111,12 +114,13 @@ def packed_data(settings: Settings, tokenizer, run: RunDir, *, model=None):
 
 def self_generated_file(settings: Settings, tokenizer, run: RunDir, model=None) -> Path:
     """``<run>/calibration/data/self-generated-<key>.jsonl``: ``[data] self_generated`` chat
-    transcripts written by the dense ``model`` (``data/self_generated.py``), generated once and
-    kept (the key covers the tokenizer, the count, the answer length and the seed).
+    transcripts and ``self_generated_text`` plain-text documents written by the dense ``model``
+    (``data/self_generated.py``), generated once and kept (the key covers the tokenizer, the
+    counts, the length and the seed).
 
     Raises:
         DataError: the file is missing and no model was given (the calibrate stage writes it).
-        ConfigError: the model has no chat template.
+        ConfigError: chat transcripts asked of a model without a chat template.
     """
     import hashlib
     import json
@@ -126,23 +130,34 @@ def self_generated_file(settings: Settings, tokenizer, run: RunDir, model=None) 
     from wide_cli.errors import DataError
 
     d = settings.data
-    key = hashlib.sha256(json.dumps({"tokenizer": tokenizer_fingerprint(tokenizer), "n": d.self_generated,
-                                     "tokens": d.self_generated_tokens, "seed": settings.train.seed},
-                                    sort_keys=True).encode()).hexdigest()[:16]  # fmt: skip
+    ident = {"tokenizer": tokenizer_fingerprint(tokenizer), "n": d.self_generated, "tokens": d.self_generated_tokens,
+             "seed": settings.train.seed}
+    if d.self_generated_text:  # absent when 0: the files of chat-only runs keep their names
+        ident["text"] = d.self_generated_text
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     path = run.calibration / "data" / f"self-generated-{key}.jsonl"
     if path.is_file():
         return path
     if model is None:
         raise DataError(f"{path} is missing (the dense model's own training text)",
                         "run the calibrate stage again: wide prune ... --resume")  # fmt: skip
-    from wide_cli.data.self_generated import generate_chat_documents
+    from wide_cli.data.self_generated import generate_chat_documents, generate_text_documents
 
-    log.info("writing %d self-generated chat transcripts with the dense model (<= %d answer tokens each)",
-             d.self_generated, d.self_generated_tokens)
-    docs = generate_chat_documents(
-        model, tokenizer, n=d.self_generated, max_new_tokens=d.self_generated_tokens, seed=settings.train.seed,
-        progress=lambda done, n: log.info("self-generated transcripts: %d/%d", done, n),
-    )
+    docs = []
+    if d.self_generated:
+        log.info("writing %d self-generated chat transcripts with the dense model (<= %d answer tokens each)",
+                 d.self_generated, d.self_generated_tokens)
+        docs += generate_chat_documents(
+            model, tokenizer, n=d.self_generated, max_new_tokens=d.self_generated_tokens, seed=settings.train.seed,
+            progress=lambda done, n: log.info("self-generated transcripts: %d/%d", done, n),
+        )
+    if d.self_generated_text:
+        log.info("writing %d self-generated plain-text documents with the dense model (<= %d tokens each)",
+                 d.self_generated_text, d.self_generated_tokens)
+        docs += generate_text_documents(
+            model, tokenizer, n=d.self_generated_text, max_new_tokens=d.self_generated_tokens, seed=settings.train.seed,
+            progress=lambda done, n: log.info("self-generated text documents: %d/%d", done, n),
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, "".join(json.dumps({"text": t}) + "\n" for t in docs).encode())
     return path

@@ -43,7 +43,10 @@ class DataSection:
     False keeps file order (held-out = the last sequences). ``self_generated``: that many chat
     transcripts written by the dense model itself (Magpie prompts, sampled answers of at most
     ``self_generated_tokens`` tokens; ``data/self_generated.py``) are added before ``train``'s
-    documents (and shuffled with them when ``shuffle_documents``; 0 = none; needs a chat model)."""
+    documents (and shuffled with them when ``shuffle_documents``; 0 = none; needs a chat model).
+    ``self_generated_text``: that many plain-text documents the dense model writes from its
+    start-of-text token, ``self_generated_tokens`` tokens each (any model; 0 = none): text as broad
+    as what the model was trained on, where the chat transcripts keep its chat register."""
 
     train: str = "builtin:pydoc"
     eval: str | None = None
@@ -52,6 +55,7 @@ class DataSection:
     shuffle_documents: bool = True
     self_generated: int = 0
     self_generated_tokens: int = 192
+    self_generated_text: int = 0
 
     def __post_init__(self):
         refuse_non_finite(self)
@@ -60,6 +64,9 @@ class DataSection:
         if self.self_generated < 0 or self.self_generated_tokens < 1:
             raise ConfigError(f"self_generated {self.self_generated} must be >= 0 and self_generated_tokens "
                               f"{self.self_generated_tokens} >= 1")  # fmt: skip
+        if self.self_generated_text < 0:
+            raise ConfigError(f"self_generated_text {self.self_generated_text} must be >= 0",
+                              "pass the number of plain-text documents the dense model writes (0 = none)")
 
 
 @dataclass(frozen=True)

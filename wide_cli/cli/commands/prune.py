@@ -13,6 +13,7 @@ def prune_cmd(
     heldout_fraction: options.HeldoutFraction = None,
     max_train_tokens: options.MaxTrainTokens = None,
     self_generated: options.SelfGenerated = None,
+    self_generated_text: options.SelfGeneratedText = None,
     shuffle_documents: options.ShuffleDocs = None,
     method: options.Method = None,
     cost_target: options.CostTarget = None,

@@ -65,6 +65,7 @@ def calibrate_cmd(
     heldout_fraction: options.HeldoutFraction = None,
     max_train_tokens: options.MaxTrainTokens = None,
     self_generated: options.SelfGenerated = None,
+    self_generated_text: options.SelfGeneratedText = None,
     method: options.Method = None,
     cost_target: options.CostTarget = None,
     cost_metric: options.CostMetric = None,
