@@ -12,12 +12,14 @@
 #   router-init-kaiming-shuffled 120 steps, 50 % groups, default (kaiming) router init, documents shuffled
 #   router-init-kaiming          the same in file order (the recipe's 90/10 split of pydoc)
 #   router-init-calibration      the same with router biases initialised from calibration statistics
+#   text-data                    the recipe + 480 plain-text documents the dense model writes (--self-generated-text)
+#   text-data-eval               WikiText-2 (first 16 pages, 256-token windows): dense, the demo export, text-data's
 # The lever runs use the recipe they were measured with (taken from git: attention group 3, FFN
 # group 128, router rank 32, group targets 0.5, calibration router init, frozen bf16 backbone);
 # the shipped recipe has moved on, by their results among others.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n '6,17p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '6,19p' "$0"; exit 2; }
 WIDE=${WIDE:-.venv/bin/wide}
 PY=${PY:-.venv/bin/python}
 DATA_DIR=${DATA_DIR:-../shared/data}
@@ -52,6 +54,10 @@ for step in "$@"; do
     router-init-kaiming-shuffled) init kaiming-shuffled ;;
     router-init-kaiming) init kaiming --no-shuffle-documents ;;
     router-init-calibration) init calibration --no-shuffle-documents --router-init calibration ;;
+    text-data) $WIDE prune smollm2-135m --recipe recipes/smollm2-135m-cpu.toml --self-generated-text 480 \
+        --run-dir runs/demo-text --out runs/demo-text/export --threads 1 --json > "$OUT/text-data.json" ;;
+    text-data-eval) $WIDE eval smollm2-135m runs/demo/export runs/demo-text/export --tasks wikitext --limit 16 \
+        --seq-len 256 --threads 1 --json > "$OUT/text-data-eval.json" ;;
     *) echo "error: unknown step '$step'; the steps are listed in the header of $0" >&2; exit 2 ;;
   esac
 done
