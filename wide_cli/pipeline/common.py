@@ -144,20 +144,15 @@ def self_generated_file(settings: Settings, tokenizer, run: RunDir, model=None) 
     from wide_cli.data.self_generated import generate_chat_documents, generate_text_documents
 
     docs = []
-    if d.self_generated:
-        log.info("writing %d self-generated chat transcripts with the dense model (<= %d answer tokens each)",
-                 d.self_generated, d.self_generated_tokens)
-        docs += generate_chat_documents(
-            model, tokenizer, n=d.self_generated, max_new_tokens=d.self_generated_tokens, seed=settings.train.seed,
-            progress=lambda done, n: log.info("self-generated transcripts: %d/%d", done, n),
-        )
-    if d.self_generated_text:
-        log.info("writing %d self-generated plain-text documents with the dense model (<= %d tokens each)",
-                 d.self_generated_text, d.self_generated_tokens)
-        docs += generate_text_documents(
-            model, tokenizer, n=d.self_generated_text, max_new_tokens=d.self_generated_tokens, seed=settings.train.seed,
-            progress=lambda done, n: log.info("self-generated text documents: %d/%d", done, n),
-        )
+    # chat transcripts first, then plain text: the order the file (and so the packing) has always had
+    for n_docs, generate, what in ((d.self_generated, generate_chat_documents, "chat transcripts"),
+                                   (d.self_generated_text, generate_text_documents, "plain-text documents")):
+        if not n_docs:
+            continue
+        log.info("writing %d self-generated %s with the dense model (<= %d new tokens each)", n_docs, what,
+                 d.self_generated_tokens)
+        docs += generate(model, tokenizer, n=n_docs, max_new_tokens=d.self_generated_tokens, seed=settings.train.seed,
+                         progress=lambda done, n, what=what: log.info("self-generated %s: %d/%d", what, done, n))
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, "".join(json.dumps({"text": t}) + "\n" for t in docs).encode())
     return path
